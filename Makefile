@@ -1,0 +1,69 @@
+# Set-up, serving, tests and benchmark. Every target installs what it needs first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+LLAMA_CPP_VERSION := 0.3.36
+CONFIG ?= deployments/configs/local.yaml
+MODEL ?= models/default.gguf
+
+# CUDA is built in when nvcc exists and a GPU is visible; GGML_CUDA=on|off overrides.
+GGML_CUDA ?= $(shell command -v nvcc >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo on || echo off)
+LLAMA_VARIANT := $(if $(filter on,$(GGML_CUDA)),cuda,cpu)
+CMAKE_FLAGS := -DGGML_RPC=on -DLLAMA_CURL=off -DLLAMA_BUILD_TESTS=off -DLLAMA_BUILD_EXAMPLES=off \
+	$(if $(filter on,$(GGML_CUDA)),-DGGML_CUDA=on,)
+# The built wheel is kept here so later installs do not rebuild llama.cpp.
+WHEEL_CACHE ?= .cache/wheels
+WHEEL_DIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)
+STAMP := $(VENV)/.installed-$(LLAMA_VARIANT)
+
+.PHONY: install wheel model serve test test-fast lint bench cluster-up cluster-down clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml | $(WHEEL_DIR)/.built
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip wheel
+	$(PIP) install -q --find-links $(WHEEL_DIR) --no-index --no-deps $(WHEEL_DIR)/llama_cpp_python-*.whl
+	$(PIP) install -q --find-links $(WHEEL_DIR) -e '.[test,bench]'
+	$(PY) -c "import llama_cpp, pathlib; lib = pathlib.Path(llama_cpp.__file__).parent / 'lib'; assert list(lib.glob('libggml-rpc*')), 'llama-cpp-python was built without the RPC backend'"
+	touch $@
+
+wheel: $(WHEEL_DIR)/.built
+
+$(WHEEL_DIR)/.built:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip wheel
+	mkdir -p $(WHEEL_DIR)
+	CMAKE_ARGS="$(CMAKE_FLAGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(PIP) wheel --no-deps --no-binary llama-cpp-python \
+		llama-cpp-python==$(LLAMA_CPP_VERSION) -w $(WHEEL_DIR)
+	touch $@
+
+model: install
+	$(PY) -m engine.synthetic_model --out $(MODEL) --if-absent
+
+serve: install model
+	$(VENV)/bin/python -m cluster.serve $(CONFIG)
+
+test: install model
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: install model
+	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check engine deployments cluster observability bench tests
+
+bench: install model
+	$(PY) -m bench.run $(BENCH_ARGS)
+
+cluster-up:
+	ray up -y cluster/two-sparks.yaml
+
+cluster-down:
+	ray down -y cluster/two-sparks.yaml
+
+clean:
+	rm -rf $(VENV) models build *.egg-info

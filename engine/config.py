@@ -1,0 +1,117 @@
+"""The engine's configuration: one validated pydantic model, refused at start when wrong."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class EngineConfig(BaseModel):
+    """Everything the engine needs to load a model and run its slots."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="Path of the GGUF model file [-m].")
+    model_alias: str | None = Field(
+        default=None, description="Name the API reports and accepts for the model [--alias]."
+    )
+    n_ctx: int = Field(
+        default=4096, ge=16, description="Total context over all slots; each slot gets n_ctx / n_parallel [-c]."
+    )
+    n_parallel: int = Field(default=4, ge=1, le=1024, description="Number of slots [--parallel].")
+    pipeline_groups: int = Field(
+        default=1,
+        ge=1,
+        description="Number of llama_contexts the slots are partitioned over, each with its own "
+        "batch, sampling and decode thread [--pipeline-groups].",
+    )
+    n_batch: int = Field(default=512, ge=1, description="Most tokens one decode step carries [-b].")
+    n_ubatch: int = Field(default=512, ge=1, description="Physical micro-batch size [-ub].")
+    n_threads: int = Field(
+        default=0, ge=0, description="Threads of the local compute device; 0 picks one per core [-t]."
+    )
+    devices: list[str] | None = Field(
+        default=None,
+        description="Devices in layer order, llama.cpp style (e.g. ['RPC0', 'CPU']); the last one "
+        "holds the output layer. None: all layers on the local device, or RPC first then local "
+        "when an RPC endpoint is given [--device].",
+    )
+    rpc_endpoints: list[str] = Field(
+        default_factory=list, description="ggml RPC servers (host:port) to register as devices [--rpc]."
+    )
+    n_gpu_layers: int = Field(default=-1, description="Layers to offload to devices; -1 is all [-ngl].")
+    tensor_split: list[float] | None = Field(
+        default=None, description="Fraction of the layers per device, in device order [-ts]."
+    )
+    cache_prompt: bool = Field(
+        default=True, description="Reuse the common prefix of a slot's cached tokens for a new prompt."
+    )
+    slot_prompt_similarity: float = Field(
+        default=0.1,
+        ge=0.0,
+        le=1.0,
+        description="Least shared fraction of the prompt for a slot to be picked by prefix; else LRU.",
+    )
+    sample_threads: int = Field(
+        default=0,
+        ge=0,
+        description="Sampling thread budget over all groups (divided by the group count); 0 picks "
+        "min(4, cores); 1 samples serially in each group thread.",
+    )
+    backend_sampling: bool = Field(
+        default=False, description="Run the sampler chains in the compute graph (llama_set_sampler)."
+    )
+    max_queued_requests: int = Field(
+        default=256, ge=0, description="Requests that may wait for a slot; beyond them, HTTP 429."
+    )
+    slot_save_path: str | None = Field(
+        default=None, description="Folder for slot save/restore files; None disables the actions."
+    )
+    profile: bool = Field(
+        default_factory=lambda: os.environ.get("PGROUPS_PROFILE", "") not in ("", "0"),
+        description="Log each group's host-path profile every 5 s (or set PGROUPS_PROFILE=1).",
+    )
+    graph_reuse: bool = Field(
+        default=False,
+        description="Allow llama.cpp graph reuse. Off by default: contexts that share one RPC "
+        "connection can race on the per-device last-graph id (LLAMA_GRAPH_REUSE_DISABLE).",
+    )
+    seed: int = Field(default=-1, description="Default sampling seed; -1 draws one per request.")
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        n, p = self.pipeline_groups, self.n_parallel
+        if n > p:
+            raise ValueError(
+                f"pipeline_groups ({n}) exceeds n_parallel ({p}): every group needs at least one slot"
+            )
+        if p % n:
+            raise ValueError(
+                f"n_parallel ({p}) must be a multiple of pipeline_groups ({n}) so the slots "
+                "partition evenly over the groups"
+            )
+        if self.n_ctx // p < 8:
+            raise ValueError(f"n_ctx ({self.n_ctx}) leaves under 8 tokens per slot over {p} slots")
+        if self.backend_sampling and n > 1:
+            raise ValueError(
+                "backend_sampling is not supported with pipeline_groups > 1 yet: set one of them back"
+            )
+        if self.tensor_split is not None and any(x < 0 for x in self.tensor_split):
+            raise ValueError("tensor_split entries must be >= 0")
+        return self
+
+    @property
+    def n_slots_per_group(self) -> int:
+        return self.n_parallel // self.pipeline_groups
+
+    @property
+    def n_ctx_per_group(self) -> int:
+        return self.n_ctx // self.pipeline_groups
+
+    def sample_threads_per_group(self) -> int:
+        budget = self.sample_threads or min(4, os.cpu_count() or 1)
+        return max(1, budget // self.pipeline_groups)
+
+    def local_threads(self) -> int:
+        return self.n_threads or max(1, os.cpu_count() or 1)

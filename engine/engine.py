@@ -1,0 +1,274 @@
+"""The engine: one model, N pipeline groups, one scheduler, one output sink.
+
+``Engine(config, sink)`` loads the model once and creates ``pipeline_groups`` contexts from
+it, partitioning the ``n_parallel`` slots contiguously (slot ``i`` is in group
+``i // (n_parallel / N)`` and uses sequence ``i % (n_parallel / N)`` there). Requests are
+validated and tokenised on the caller's thread; every output of a step goes to ``sink`` in
+one call from the group thread that produced it. No Ray import here: the engine runs in a
+plain Python process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.group import CancelMsg, PipelineGroup, SlotBusyError, SlotOpMsg, StartMsg
+from engine.native import Model, add_rpc_server, local_device_name
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.slots import Slot, SlotView
+from engine.tokenizer import Tokenizer
+from engine.types import Output, Request, RequestError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Engine", "OutputQueues", "SlotBusyError", "Completion"]
+
+
+def default_devices(config: EngineConfig, rpc_devices: list[str]) -> list[str] | None:
+    """RPC devices first, the local device last, so the output layer and logits stay local."""
+    if config.devices:
+        return list(config.devices)
+    if rpc_devices:
+        return [*rpc_devices, local_device_name()]
+    return None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, sink: Callable[[list[Output]], None] | None = None):
+        self.config = config
+        self.outputs = OutputQueues() if sink is None else None
+        self.sink: Callable[[list[Output]], None] = sink or self.outputs.put  # type: ignore[union-attr]
+        if not config.graph_reuse:
+            # read by each llama_context when it is created
+            os.environ["LLAMA_GRAPH_REUSE_DISABLE"] = "1"
+        rpc_devices: list[str] = []
+        for ep in config.rpc_endpoints:
+            rpc_devices += add_rpc_server(ep)
+        self.devices = default_devices(config, rpc_devices)
+        self.model = Model(
+            config.model,
+            devices=self.devices,
+            n_gpu_layers=config.n_gpu_layers,
+            tensor_split=config.tensor_split,
+        )
+        self.model_name = config.model_alias or Path(config.model).name
+        self.tokenizer = Tokenizer(self.model)
+        self.groups: list[PipelineGroup] = []
+        per = config.n_slots_per_group
+        self.slots = [Slot(id=i, group=i // per, seq_id=i % per) for i in range(config.n_parallel)]
+        self.scheduler = Scheduler(
+            [s.view() for s in self.slots],
+            dispatch=lambda g, r: self.groups[g].inbox.put(StartMsg(r)),
+            cancel_running=lambda g, rid: self.groups[g].inbox.put(CancelMsg(rid)),
+            sink=self._sink,
+            max_queued=config.max_queued_requests,
+            similarity=config.slot_prompt_similarity,
+        )
+        try:
+            for g in range(config.pipeline_groups):
+                self.groups.append(
+                    PipelineGroup(
+                        g,
+                        self.model,
+                        self.tokenizer,
+                        config,
+                        self.slots[g * per : (g + 1) * per],
+                        self._sink,
+                        self.scheduler.release,
+                    )
+                )
+        except BaseException:
+            for grp in self.groups:
+                grp.close()
+            self.model.close()
+            raise
+        self.n_ctx_slot = self.groups[0].n_ctx_slot
+        self._closed = False
+        for grp in self.groups:
+            grp.start()
+        log.info(
+            "engine ready: %s, %d slots over %d group(s), %d tokens per slot, devices %s",
+            self.model_name,
+            config.n_parallel,
+            config.pipeline_groups,
+            self.n_ctx_slot,
+            self.devices or "default",
+        )
+
+    def _sink(self, outs: list[Output]) -> None:
+        try:
+            self.sink(outs)
+        except Exception:  # a broken consumer must not kill a group thread
+            log.exception("output sink failed")
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            tokens = self.tokenizer.encode(prompt, add_special=True, parse_special=True)
+        else:
+            tokens = list(prompt)
+            bad = [t for t in tokens if not 0 <= t < self.model.n_vocab]
+            if bad:
+                raise RequestError(f"prompt token ids out of range [0, {self.model.n_vocab}): {bad[:5]}")
+        if not tokens:
+            raise RequestError("the prompt is empty")
+        return tokens
+
+    def make_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        """Validate and tokenise; raises ``RequestError`` for what cannot be served."""
+        tokens = self.tokenize_prompt(prompt)
+        room = self.n_ctx_slot - len(tokens)
+        if room < 1:
+            raise RequestError(
+                f"the prompt is {len(tokens)} tokens but a slot holds {self.n_ctx_slot} "
+                "(n_ctx / n_parallel) with at least one generated token: shorten the prompt"
+            )
+        bad_bias = [t for t in params.logit_bias if t >= self.model.n_vocab]
+        if bad_bias:
+            raise RequestError(f"logit_bias token ids out of range: {bad_bias[:5]}")
+        return Request(
+            id=request_id or uuid.uuid4().hex,
+            prompt_tokens=tokens,
+            params=params,
+            n_predict=min(params.max_tokens, room),
+        )
+
+    def submit(self, r: Request) -> None:
+        """Queue a request; raises ``QueueFullError`` when the wait queue is full."""
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        if not all(g.alive for g in self.groups):
+            raise RuntimeError("engine is unhealthy: " + "; ".join(g.error or "" for g in self.groups))
+        self.scheduler.submit(r)
+
+    def cancel(self, request_id: str) -> bool:
+        return self.scheduler.cancel(request_id)
+
+    # ---- convenience for plain Python use (sink=None) ------------------------------------------
+
+    def stream(self, prompt: str | list[int], params: SamplingParams) -> Iterator[Output]:
+        if self.outputs is None:
+            raise RuntimeError("stream() needs the engine's own output queues (sink=None)")
+        r = self.make_request(prompt, params)
+        q = self.outputs.register(r.id)
+        try:
+            self.submit(r)
+            while True:
+                o = q.get()
+                yield o
+                if o.finish_reason is not None:
+                    return
+        finally:
+            if self.outputs.unregister(r.id):
+                self.cancel(r.id)
+
+    def generate(self, prompt: str | list[int], params: SamplingParams) -> Completion:
+        parts, last = [], None
+        for o in self.stream(prompt, params):
+            parts.append(o.text)
+            last = o
+        assert last is not None
+        return Completion("".join(parts), last)
+
+    # ---- slots ----------------------------------------------------------------------------------
+
+    def slot_views(self) -> list[SlotView]:
+        return self.scheduler.views()
+
+    def slot_action(self, slot_id: int, action: str, filename: str | None, timeout: float = 60.0) -> dict:
+        if not 0 <= slot_id < len(self.slots):
+            raise RequestError(f"no slot {slot_id}; slots are 0..{len(self.slots) - 1}")
+        if action not in ("save", "restore", "erase"):
+            raise RequestError(f"unknown action {action!r}: use save, restore or erase")
+        path = None
+        if action != "erase":
+            path = self.resolve_slot_file(filename)
+        fut: Future = Future()
+        self.groups[self.slots[slot_id].group].inbox.put(SlotOpMsg(action, slot_id, path, fut))
+        return fut.result(timeout)
+
+    def resolve_slot_file(self, filename: str | None) -> Path:
+        base = self.config.slot_save_path
+        if not base:
+            raise RequestError("slot save/restore is disabled: set slot_save_path")
+        if not filename or not _is_plain_filename(filename):
+            raise RequestError("filename must be a plain file name inside slot_save_path")
+        root = Path(base).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        path = (root / filename).resolve()
+        if path.parent != root:
+            raise RequestError("filename must be a plain file name inside slot_save_path")
+        return path
+
+    # ---- state ----------------------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        return not self._closed and all(g.alive for g in self.groups)
+
+    def profiles(self) -> list:
+        return [g.prof.snapshot for g in self.groups]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for g in self.groups:
+            g.stop()
+        for g in self.groups:
+            g.close()
+        self.model.close()
+
+
+def _is_plain_filename(name: str) -> bool:
+    if name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
+        return False
+    return len(name) <= 255 and not name.startswith(".")
+
+
+@dataclass
+class Completion:
+    text: str
+    final: Output
+
+
+class OutputQueues:
+    """A sink that routes each request's outputs to its own ``queue.Queue``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[str, queue.Queue] = {}
+
+    def register(self, request_id: str) -> queue.Queue:
+        q: queue.Queue = queue.Queue()
+        with self._lock:
+            self._queues[request_id] = q
+        return q
+
+    def unregister(self, request_id: str) -> bool:
+        """Forget a request; True when it had not finished (the caller should cancel it)."""
+        with self._lock:
+            q = self._queues.pop(request_id, None)
+        return q is not None and not getattr(q, "finished", False)
+
+    def put(self, outs: list[Output]) -> None:
+        with self._lock:
+            for o in outs:
+                q = self._queues.get(o.request_id)
+                if q is not None:
+                    if o.finish_reason is not None:
+                        q.finished = True  # type: ignore[attr-defined]
+                    q.put(o)

@@ -1,0 +1,407 @@
+"""A pipeline group: one llama_context, its batch, its samplers and the thread that owns them.
+
+Only the group's thread touches its context, its batch and its slots' mutable state
+(principle 1 of the design). Everything else reaches it as a message in ``inbox`` and is
+handled between two decode steps: a new request, a cancel, a slot save/restore/erase.
+One step is: build the batch (decode rows of generating slots first, then prompt chunks up
+to ``n_batch``), decode, read the logits once (the only synchronise of the step), sample
+every row (optionally over a small thread pool), then detokenise, check stop strings and
+hand the step's outputs to the sink in one call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.config import EngineConfig
+from engine.native import Batch, Context, Model, NativeError
+from engine.sampling import SamplerChain
+from engine.slots import Slot, SlotState, SlotView
+from engine.text import TextStream
+from engine.tokenizer import Tokenizer
+from engine.types import Output, Request
+from observability.profiler import GroupProfiler
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[list[Output]], None]
+
+
+@dataclass
+class StartMsg:
+    request: Request
+
+
+@dataclass
+class CancelMsg:
+    request_id: str
+
+
+@dataclass
+class SlotOpMsg:
+    action: str  # "save" | "restore" | "erase"
+    slot_id: int
+    path: Path | None
+    reply: Future
+
+
+class _StopMsg:
+    pass
+
+
+class PipelineGroup:
+    def __init__(
+        self,
+        index: int,
+        model: Model,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        slots: list[Slot],
+        sink: Sink,
+        on_release: Callable[[SlotView, bool], None],
+    ) -> None:
+        self.index = index
+        self.model = model
+        self.tok = tokenizer
+        self.config = config
+        self.slots = slots
+        self._by_id = {s.id: s for s in slots}
+        self.sink = sink
+        self.on_release = on_release
+        self.n_vocab = model.n_vocab
+        n_batch = max(config.n_batch, len(slots))
+        self.ctx = Context(
+            model,
+            n_ctx=config.n_ctx_per_group,
+            n_seq_max=len(slots),
+            n_batch=n_batch,
+            n_ubatch=config.n_ubatch,
+            n_threads=config.local_threads(),
+        )
+        self.n_ctx_slot = self.ctx.n_ctx_seq
+        self.batch = Batch(n_batch)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        n_pool = config.sample_threads_per_group()
+        self.n_sample_threads = n_pool
+        self.pool = (
+            ThreadPoolExecutor(max_workers=n_pool, thread_name_prefix=f"pgroup{index}-sample")
+            if n_pool > 1
+            else None
+        )
+        self.prof = GroupProfiler(index, enabled_log=config.profile)
+        self.active: list[Slot] = []
+        self.alive = True
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name=f"pgroup-{index}", daemon=True)
+
+    # ---- lifecycle (any thread) -------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._thread.is_alive():
+            self.inbox.put(_StopMsg())
+            self._thread.join(timeout)
+
+    def close(self) -> None:
+        """Free native state; only after ``stop``."""
+        if self._thread.is_alive():
+            raise RuntimeError("group thread still running")
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        for s in self.slots:
+            if s.sampler is not None:
+                s.sampler.close()
+                s.sampler = None
+        self.ctx.close()
+
+    # ---- the thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                t0 = time.perf_counter()
+                if not self.active:
+                    msg = self.inbox.get()
+                    if not self._handle(msg):
+                        return
+                while True:
+                    try:
+                        msg = self.inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not self._handle(msg):
+                        return
+                self.prof.add("wait", time.perf_counter() - t0)
+                if self.active:
+                    self._step()
+        except BaseException as e:  # the group is dead: fail what it holds, never hang callers
+            log.exception("pipeline group %d died", self.index)
+            self.alive = False
+            self.error = f"pipeline group {self.index} failed: {e}"
+            outs = []
+            for s in list(self.active):
+                outs.append(self._finish(s, "error", "", error=self.error, release=False))
+            self._drain_after_death(outs)
+
+    def _drain_after_death(self, outs: list[Output]) -> None:
+        if outs:
+            self.sink(outs)
+        while True:
+            msg = self.inbox.get()
+            if isinstance(msg, _StopMsg):
+                return
+            if isinstance(msg, StartMsg):
+                r = msg.request
+                self.sink([Output(r.id, "", 0, "error", len(r.prompt_tokens), error=self.error)])
+            elif isinstance(msg, SlotOpMsg):
+                msg.reply.set_exception(RuntimeError(self.error))
+
+    def _handle(self, msg: object) -> bool:
+        if isinstance(msg, StartMsg):
+            self._begin(msg.request)
+        elif isinstance(msg, CancelMsg):
+            for s in self.active:
+                if s.req is not None and s.req.id == msg.request_id:
+                    out = self._finish(s, "cancelled", "")
+                    self.sink([out])
+                    break
+        elif isinstance(msg, SlotOpMsg):
+            try:
+                msg.reply.set_result(self._slot_op(msg))
+            except Exception as e:
+                msg.reply.set_exception(e)
+        elif isinstance(msg, _StopMsg):
+            for s in list(self.active):
+                self.sink([self._finish(s, "cancelled", "", release=False)])
+            return False
+        return True
+
+    def _begin(self, r: Request) -> None:
+        s = self._by_id[r.slot_id]
+        assert s.state is SlotState.IDLE, f"slot {s.id} is busy"
+        tokens = r.prompt_tokens
+        n_keep = 0
+        if self.config.cache_prompt and s.cache_tokens:
+            a = np.asarray(s.cache_tokens, dtype=np.int32)
+            b = np.asarray(tokens, dtype=np.int32)
+            n = min(len(a), len(b))
+            diff = np.flatnonzero(a[:n] != b[:n])
+            n_keep = int(diff[0]) if len(diff) else n
+        n_keep = min(n_keep, len(tokens) - 1)  # the last prompt token is always evaluated
+        if n_keep < len(s.cache_tokens):
+            if not self.ctx.seq_rm(s.seq_id, n_keep, -1):
+                self.ctx.seq_rm(s.seq_id, 0, -1)
+                n_keep = 0
+            del s.cache_tokens[n_keep:]
+        s.req = r
+        s.sampler = SamplerChain(r.params, self.n_vocab, self.config.seed)
+        s.text = TextStream(r.params.stop)
+        s.n_prompt_done = n_keep
+        s.n_reused = n_keep
+        s.n_generated = 0
+        s.last_token = -1
+        s.t_start = time.monotonic()
+        s.t_first_token = 0.0
+        s.state = SlotState.PROMPT
+        self.active.append(s)
+        self.on_release(s.view(), False)
+
+    def _step(self) -> None:
+        prof = self.prof
+        t0 = time.perf_counter()
+        b = self.batch
+        b.clear()
+        rows: list[Slot] = []
+        prompt_work: list[tuple[Slot, int]] = []
+        for s in self.active:
+            if s.state is SlotState.GENERATING:
+                b.add([s.last_token], len(s.cache_tokens), s.seq_id, True)
+                rows.append(s)
+        for s in self.active:
+            if s.state is not SlotState.PROMPT or b.free == 0:
+                continue
+            p = s.req.prompt_tokens
+            chunk = p[s.n_prompt_done : s.n_prompt_done + b.free]
+            last = s.n_prompt_done + len(chunk) == len(p)
+            b.add(chunk, s.n_prompt_done, s.seq_id, last)
+            prompt_work.append((s, len(chunk)))
+            if last:
+                rows.append(s)
+        n_tokens = b.n_tokens
+        t1 = time.perf_counter()
+        prof.add("batch", t1 - t0)
+        try:
+            self.ctx.decode(b)
+        except NativeError as e:
+            self._fail_batch(rows, prompt_work, str(e))
+            return
+        t2 = time.perf_counter()
+        prof.add("decode", t2 - t1)
+        logits = self.ctx.logits(len(rows), self.n_vocab) if rows else None
+        t3 = time.perf_counter()
+        prof.add("sync", t3 - t2)
+        for s in rows:
+            if s.state is SlotState.GENERATING:
+                s.cache_tokens.append(s.last_token)
+        for s, n in prompt_work:
+            s.cache_tokens.extend(s.req.prompt_tokens[s.n_prompt_done : s.n_prompt_done + n])
+            s.n_prompt_done += n
+        tokens = self._sample(rows, logits) if rows else []
+        t4 = time.perf_counter()
+        prof.add("sample", t4 - t3)
+        outs: list[Output] = []
+        for s, tok in zip(rows, tokens, strict=True):
+            o = self._process(s, tok)
+            if o is not None:
+                outs.append(o)
+        t5 = time.perf_counter()
+        if outs:
+            self.sink(outs)
+        prof.add("send", time.perf_counter() - t5)
+        prof.end_step(len(rows), n_tokens, len(self.active) + sum(1 for o in outs if o.finish_reason))
+
+    def _sample(self, rows: list[Slot], logits: np.ndarray) -> list[int]:
+        n = len(rows)
+        if self.pool is None or n < 2:
+            return [s.sampler.sample(logits[i]) for i, s in enumerate(rows)]
+        k = min(self.n_sample_threads, n)
+        bounds = [n * j // k for j in range(k + 1)]
+
+        def work(lo: int, hi: int) -> list[int]:
+            return [rows[i].sampler.sample(logits[i]) for i in range(lo, hi)]
+
+        futs = [self.pool.submit(work, bounds[j], bounds[j + 1]) for j in range(1, k)]
+        out = work(bounds[0], bounds[1])
+        for f in futs:
+            out.extend(f.result())
+        return out
+
+    def _process(self, s: Slot, tok: int) -> Output | None:
+        """Account for the token sampled for slot ``s``; returns what to send, if anything."""
+        prof = self.prof
+        t0 = time.perf_counter()
+        r = s.req
+        s.sampler.accept(tok)
+        s.n_generated += 1
+        s.last_token = tok
+        if s.n_generated == 1:
+            s.t_first_token = time.monotonic()
+            s.state = SlotState.GENERATING
+        if not r.params.ignore_eos and self.tok.is_eog(tok):
+            prof.add("detok", time.perf_counter() - t0)
+            # the end-of-generation token is not text; what was held back is
+            return self._finish(s, "stop", s.text.flush(), counted=True)
+        piece = self.tok.piece(tok)
+        t1 = time.perf_counter()
+        prof.add("detok", t1 - t0)
+        text = s.text.feed(piece)
+        prof.add("stop", time.perf_counter() - t1)
+        if s.text.stopped_by is not None:
+            return self._finish(s, "stop", text, counted=True)
+        if s.n_generated >= r.n_predict:
+            return self._finish(s, "length", text + s.text.flush(), counted=True)
+        return Output(r.id, text, 1)
+
+    def _finish(
+        self,
+        s: Slot,
+        reason: str,
+        text: str,
+        *,
+        error: str | None = None,
+        counted: bool = False,
+        release: bool = True,
+    ) -> Output:
+        r = s.req
+        now = time.monotonic()
+        out = Output(
+            request_id=r.id,
+            text=text,
+            n_tokens=1 if counted else 0,
+            finish_reason=reason,
+            prompt_tokens=len(r.prompt_tokens),
+            completion_tokens=s.n_generated,
+            cached_tokens=s.n_reused,
+            error=error,
+            t_first_token=(s.t_first_token - r.t_arrival) if s.t_first_token else 0.0,
+            t_queue=s.t_start - r.t_arrival,
+        )
+        if s.sampler is not None:
+            s.sampler.close()
+            s.sampler = None
+        s.text = None
+        s.req = None
+        s.state = SlotState.IDLE
+        s.last_used = now
+        if s in self.active:
+            self.active.remove(s)
+        if release:
+            self.on_release(s.view(), True)
+        return out
+
+    def _fail_batch(self, rows: list[Slot], prompt_work: list[tuple[Slot, int]], err: str) -> None:
+        log.error("group %d: decode failed: %s", self.index, err)
+        failed = {id(s): s for s in rows} | {id(s): s for s, _ in prompt_work}
+        outs = []
+        for s in failed.values():
+            # the sequence's KV is now unknown: drop it
+            self.ctx.seq_rm(s.seq_id, 0, -1)
+            s.cache_tokens.clear()
+            outs.append(self._finish(s, "error", "", error=f"decode failed: {err}"))
+        self.sink(outs)
+
+    # ---- slot operations (group thread) -----------------------------------------------------
+
+    def _slot_op(self, m: SlotOpMsg) -> dict:
+        s = self._by_id[m.slot_id]
+        if s.state is not SlotState.IDLE:
+            raise SlotBusyError(f"slot {s.id} is busy")
+        t0 = time.perf_counter()
+        if m.action == "erase":
+            n = len(s.cache_tokens)
+            self.ctx.seq_rm(s.seq_id, 0, -1)
+            s.cache_tokens.clear()
+            res = {"id_slot": s.id, "n_erased": n}
+        elif m.action == "save":
+            n_bytes = self.ctx.seq_save(str(m.path), s.seq_id, s.cache_tokens)
+            res = {
+                "id_slot": s.id,
+                "filename": m.path.name,
+                "n_saved": len(s.cache_tokens),
+                "n_written": n_bytes,
+            }
+        elif m.action == "restore":
+            if not m.path.is_file():
+                raise FileNotFoundError(f"no saved slot file {m.path.name}")
+            self.ctx.seq_rm(s.seq_id, 0, -1)
+            s.cache_tokens.clear()
+            toks = self.ctx.seq_load(str(m.path), s.seq_id, self.n_ctx_slot)
+            s.cache_tokens.extend(toks)
+            res = {
+                "id_slot": s.id,
+                "filename": m.path.name,
+                "n_restored": len(toks),
+                "n_read": os.path.getsize(m.path),
+            }
+        else:
+            raise ValueError(f"unknown slot action {m.action!r}")
+        res["timings"] = {"ms": (time.perf_counter() - t0) * 1000.0}
+        s.last_used = time.monotonic()
+        self.on_release(s.view(), False)
+        return res
+
+
+class SlotBusyError(RuntimeError):
+    pass

@@ -1,0 +1,380 @@
+"""Owners of llama.cpp's native handles: backend, devices, model, context, batch.
+
+One Python object owns each handle and frees it in ``close()``; contexts are closed before
+their model (principle 4 of the design). Every return code that can fail is checked and
+turned into an exception. The ggml device API is not bound by llama-cpp-python, so the
+few functions needed are declared here with ctypes against the libraries it ships.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import pathlib
+import threading
+from dataclasses import dataclass
+
+import llama_cpp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+_LIB_DIR = pathlib.Path(llama_cpp.__file__).parent / "lib"
+_init_lock = threading.Lock()
+_initialised = False
+
+
+class NativeError(RuntimeError):
+    """A llama.cpp call failed."""
+
+
+def _load(name: str) -> ctypes.CDLL:
+    for cand in sorted(_LIB_DIR.glob(f"lib{name}.so*")) + sorted(_LIB_DIR.glob(f"lib{name}.dylib")):
+        return ctypes.CDLL(str(cand), mode=ctypes.RTLD_GLOBAL)
+    raise NativeError(f"lib{name} not found in {_LIB_DIR}; was llama-cpp-python built with it?")
+
+
+class _Ggml:
+    """ctypes declarations of the ggml backend/device API (libggml, libggml-base, libggml-rpc)."""
+
+    def __init__(self) -> None:
+        base = _load("ggml-base")
+        ggml = _load("ggml")
+        vp, cp, sz = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
+
+        def fn(lib: ctypes.CDLL, name: str, res, *args):  # noqa: ANN001
+            f = getattr(lib, name)
+            f.restype = res
+            f.argtypes = list(args)
+            return f
+
+        self.dev_count = fn(ggml, "ggml_backend_dev_count", sz)
+        self.dev_get = fn(ggml, "ggml_backend_dev_get", vp, sz)
+        self.dev_by_name = fn(ggml, "ggml_backend_dev_by_name", vp, cp)
+        self.device_register = fn(ggml, "ggml_backend_device_register", None, vp)
+        self.dev_name = fn(base, "ggml_backend_dev_name", cp, vp)
+        self.dev_description = fn(base, "ggml_backend_dev_description", cp, vp)
+        self.dev_type = fn(base, "ggml_backend_dev_type", ctypes.c_int, vp)
+        self.dev_memory = fn(
+            base, "ggml_backend_dev_memory", None, vp, ctypes.POINTER(sz), ctypes.POINTER(sz)
+        )
+        self.reg_dev_count = fn(base, "ggml_backend_reg_dev_count", sz, vp)
+        self.reg_dev_get = fn(base, "ggml_backend_reg_dev_get", vp, vp, sz)
+        self._rpc: ctypes.CDLL | None = None
+
+    @property
+    def rpc(self) -> ctypes.CDLL:
+        if self._rpc is None:
+            lib = _load("ggml-rpc")
+            lib.ggml_backend_rpc_add_server.restype = ctypes.c_void_p
+            lib.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
+            lib.ggml_backend_rpc_start_server.restype = None
+            lib.ggml_backend_rpc_start_server.argtypes = [
+                ctypes.c_char_p,
+                ctypes.c_char_p,
+                ctypes.c_size_t,
+                ctypes.c_size_t,
+                ctypes.POINTER(ctypes.c_void_p),
+            ]
+            self._rpc = lib
+        return self._rpc
+
+
+_ggml: _Ggml | None = None
+
+
+def ggml() -> _Ggml:
+    global _ggml
+    if _ggml is None:
+        _ggml = _Ggml()
+    return _ggml
+
+
+def init_backend(quiet: bool = True) -> None:
+    """Initialise llama.cpp once per process; route its log through ``logging``."""
+    global _initialised
+    with _init_lock:
+        if _initialised:
+            return
+        if quiet:
+            _install_log_callback()
+        llama_cpp.llama_backend_init()
+        _initialised = True
+
+
+_log_cb = None  # keeps the ctypes callback alive
+
+
+def _install_log_callback() -> None:
+    global _log_cb
+    native_log = logging.getLogger("llama_cpp.native")
+
+    @llama_cpp.llama_log_callback
+    def _cb(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+        if level >= 4 or not text:  # GGML_LOG_LEVEL_ERROR == 4
+            if level == 4 and text:
+                native_log.error(text.decode("utf-8", "replace").rstrip())
+            return
+        native_log.debug(text.decode("utf-8", "replace").rstrip())
+
+    _log_cb = _cb
+    llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    name: str
+    description: str
+    type: int  # 0 CPU, 1 GPU, 2 IGPU, 3 ACCEL
+    memory_free: int
+    memory_total: int
+
+
+def list_devices() -> list[DeviceInfo]:
+    g = ggml()
+    out = []
+    for i in range(g.dev_count()):
+        dev = g.dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        g.dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        out.append(
+            DeviceInfo(
+                name=g.dev_name(dev).decode(),
+                description=(g.dev_description(dev) or b"").decode(),
+                type=g.dev_type(dev),
+                memory_free=free.value,
+                memory_total=total.value,
+            )
+        )
+    return out
+
+
+_rpc_lock = threading.Lock()
+_rpc_registered: dict[str, list[str]] = {}
+
+
+def add_rpc_server(endpoint: str) -> list[str]:
+    """Register a ggml RPC server as devices of this process; returns their names (RPC0...)."""
+    with _rpc_lock:
+        if endpoint in _rpc_registered:
+            return _rpc_registered[endpoint]
+        g = ggml()
+        reg = g.rpc.ggml_backend_rpc_add_server(endpoint.encode())
+        if not reg:
+            raise NativeError(f"could not register RPC server {endpoint}")
+        names = []
+        for i in range(g.reg_dev_count(reg)):
+            dev = g.reg_dev_get(reg, i)
+            g.device_register(dev)
+            names.append(g.dev_name(dev).decode())
+        _rpc_registered[endpoint] = names
+        return names
+
+
+def local_device_name() -> str:
+    """The device that should hold the last layers and the output: the first GPU, else CPU."""
+    for d in list_devices():
+        if d.type in (1, 2):  # GPU or integrated GPU
+            return d.name
+    return "CPU"
+
+
+def resolve_devices(names: list[str]) -> ctypes.Array:
+    """A NULL-terminated ggml_backend_dev_t array for ``llama_model_params.devices``."""
+    g = ggml()
+    ptrs = []
+    for n in names:
+        dev = g.dev_by_name(n.encode())
+        if not dev:
+            avail = ", ".join(d.name for d in list_devices())
+            raise ValueError(f"unknown device {n!r}; available devices: {avail}")
+        ptrs.append(dev)
+    arr = (ctypes.c_void_p * (len(ptrs) + 1))(*ptrs, None)
+    return arr
+
+
+class Model:
+    """Owns a ``llama_model`` and its vocabulary."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        devices: list[str] | None = None,
+        n_gpu_layers: int = -1,
+        tensor_split: list[float] | None = None,
+        use_mmap: bool = True,
+    ) -> None:
+        init_backend()
+        self.path = path
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = 999 if n_gpu_layers < 0 else n_gpu_layers
+        params.use_mmap = use_mmap
+        self._keep: list[object] = []
+        if devices:
+            arr = resolve_devices(devices)
+            self._keep.append(arr)
+            params.devices = ctypes.cast(arr, ctypes.c_void_p)
+            params.split_mode = llama_cpp.LLAMA_SPLIT_MODE_LAYER
+        if tensor_split:
+            ts = (ctypes.c_float * max(len(tensor_split), 16))(*tensor_split)
+            self._keep.append(ts)
+            params.tensor_split = ts
+        if not pathlib.Path(path).is_file():
+            raise FileNotFoundError(f"model file not found: {path}")
+        self.ptr = llama_cpp.llama_model_load_from_file(path.encode(), params)
+        if not self.ptr:
+            raise NativeError(f"failed to load model {path}")
+        self.vocab = llama_cpp.llama_model_get_vocab(self.ptr)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.ptr)
+        self.n_layer = llama_cpp.llama_model_n_layer(self.ptr)
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+        self.eos = llama_cpp.llama_vocab_eos(self.vocab)
+        self.size_bytes = llama_cpp.llama_model_size(self.ptr)
+
+    def chat_template(self) -> str | None:
+        t = llama_cpp.llama_model_chat_template(self.ptr, None)
+        return t.decode() if t else None
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            llama_cpp.llama_model_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Context:
+    """Owns one ``llama_context`` of a model: the KV cache of one pipeline group."""
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        n_ctx: int,
+        n_seq_max: int,
+        n_batch: int,
+        n_ubatch: int,
+        n_threads: int,
+        flash_attn: bool | None = None,
+    ) -> None:
+        self.model = model
+        p = llama_cpp.llama_context_default_params()
+        p.n_ctx = n_ctx
+        p.n_batch = n_batch
+        p.n_ubatch = min(n_ubatch, n_batch)
+        p.n_seq_max = n_seq_max
+        p.n_threads = n_threads
+        p.n_threads_batch = n_threads
+        p.kv_unified = False
+        p.no_perf = True
+        if flash_attn is not None:
+            p.flash_attn_type = 1 if flash_attn else 0
+        self.ptr = llama_cpp.llama_init_from_model(model.ptr, p)
+        if not self.ptr:
+            raise NativeError(
+                f"failed to create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max}, n_batch={n_batch})"
+            )
+        self.n_ctx = llama_cpp.llama_n_ctx(self.ptr)
+        self.n_ctx_seq = llama_cpp.llama_n_ctx_seq(self.ptr)
+        self.memory = llama_cpp.llama_get_memory(self.ptr)
+
+    def decode(self, batch: Batch) -> None:
+        rc = llama_cpp.llama_decode(self.ptr, batch.struct)
+        if rc != 0:
+            raise NativeError(f"llama_decode failed with {rc} (n_tokens={batch.n_tokens})")
+
+    def logits(self, n_rows: int, n_vocab: int) -> np.ndarray:
+        """The output rows of the last decode, in batch order; synchronises the context."""
+        ptr = llama_cpp.llama_get_logits(self.ptr)
+        if not ptr:
+            raise NativeError("llama_get_logits returned NULL")
+        return np.ctypeslib.as_array(ptr, shape=(n_rows, n_vocab))
+
+    def seq_rm(self, seq_id: int, p0: int, p1: int = -1) -> bool:
+        return bool(llama_cpp.llama_memory_seq_rm(self.memory, seq_id, p0, p1))
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return int(llama_cpp.llama_memory_seq_pos_max(self.memory, seq_id))
+
+    def seq_save(self, path: str, seq_id: int, tokens: list[int]) -> int:
+        arr = (llama_cpp.llama_token * len(tokens))(*tokens)
+        n = llama_cpp.llama_state_seq_save_file(self.ptr, path.encode(), seq_id, arr, len(tokens))
+        if n == 0:
+            raise NativeError(f"saving sequence {seq_id} to {path} failed")
+        return int(n)
+
+    def seq_load(self, path: str, seq_id: int, capacity: int) -> list[int]:
+        arr = (llama_cpp.llama_token * capacity)()
+        n_out = ctypes.c_size_t(0)
+        n = llama_cpp.llama_state_seq_load_file(
+            self.ptr, path.encode(), seq_id, arr, capacity, ctypes.byref(n_out)
+        )
+        if n == 0:
+            raise NativeError(f"restoring sequence {seq_id} from {path} failed")
+        return list(arr[: n_out.value])
+
+    def synchronize(self) -> None:
+        llama_cpp.llama_synchronize(self.ptr)
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            llama_cpp.llama_free(self.ptr)
+            self.ptr = None
+
+
+class Batch:
+    """A ``llama_batch`` whose arrays are numpy buffers, so a step fills it with slices.
+
+    Each token belongs to exactly one sequence; ``seq_id[i]`` points into one int32 array.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.token = np.zeros(capacity, np.int32)
+        self.pos = np.zeros(capacity, np.int32)
+        self.n_seq_id = np.ones(capacity, np.int32)
+        self.seq = np.zeros(capacity, np.int32)
+        self.logits = np.zeros(capacity, np.int8)
+        i32p = ctypes.POINTER(ctypes.c_int32)
+        base = self.seq.ctypes.data
+        self._seq_ptrs = (i32p * capacity)(*[ctypes.cast(base + 4 * i, i32p) for i in range(capacity)])
+        self.struct = llama_cpp.llama_batch(
+            n_tokens=0,
+            token=self.token.ctypes.data_as(i32p),
+            embd=None,
+            pos=self.pos.ctypes.data_as(i32p),
+            n_seq_id=self.n_seq_id.ctypes.data_as(i32p),
+            seq_id=ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32p)),
+            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+        self.n_tokens = 0
+
+    def clear(self) -> None:
+        self.n_tokens = 0
+        self.struct.n_tokens = 0
+
+    def add(self, tokens: list[int], pos0: int, seq_id: int, last_logits: bool) -> int:
+        """Append tokens of one sequence; returns the row of the first token."""
+        n = len(tokens)
+        i = self.n_tokens
+        if i + n > self.capacity:
+            raise ValueError("batch overflow")
+        self.token[i : i + n] = tokens
+        self.pos[i : i + n] = np.arange(pos0, pos0 + n, dtype=np.int32)
+        self.seq[i : i + n] = seq_id
+        self.logits[i : i + n] = 0
+        if last_logits:
+            self.logits[i + n - 1] = 1
+        self.n_tokens = i + n
+        self.struct.n_tokens = self.n_tokens
+        return i
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.n_tokens

@@ -1,0 +1,108 @@
+"""Which request runs on which slot: the wait queue and the choice over all groups' slots.
+
+The scheduler never touches a context. It knows each slot only through the ``SlotView``
+its group published when the slot last went idle, chooses by longest common prefix (else
+least recently used) over the idle slots of every group, and hands the request to the
+owning group as a message. Its lock is held only for bookkeeping, never across a native
+call or a wait on a group.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+
+from engine.slots import SlotView, choose_slot
+from engine.types import Output, QueueFullError, Request
+
+
+class Scheduler:
+    def __init__(
+        self,
+        views: list[SlotView],
+        dispatch: Callable[[int, Request], None],
+        cancel_running: Callable[[int, str], None],
+        sink: Callable[[list[Output]], None],
+        max_queued: int,
+        similarity: float,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._views = {v.id: v for v in views}
+        self._idle: set[int] = {v.id for v in views}
+        self._last_used: dict[int, float] = {}
+        self._waiting: OrderedDict[str, Request] = OrderedDict()
+        self._running: dict[str, Request] = {}
+        self._slot_request: dict[int, str] = {}
+        self._dispatch = dispatch
+        self._cancel_running = cancel_running
+        self._sink = sink
+        self.max_queued = max_queued
+        self.similarity = similarity
+        self.n_deferred_total = 0
+
+    def submit(self, r: Request) -> None:
+        with self._lock:
+            if self._idle and not self._waiting:
+                self._assign(r)
+                return
+            if len(self._waiting) >= self.max_queued:
+                raise QueueFullError(
+                    f"all {len(self._views)} slots are busy and {len(self._waiting)} requests wait"
+                )
+            self._waiting[r.id] = r
+            self.n_deferred_total += 1
+
+    def _assign(self, r: Request) -> None:
+        idle = [self._views[i] for i in self._idle]
+        v = choose_slot(idle, np.asarray(r.prompt_tokens, dtype=np.int32), self._last_used, self.similarity)
+        self._idle.discard(v.id)
+        r.slot_id = v.id
+        self._running[r.id] = r
+        self._slot_request[v.id] = r.id
+        self._dispatch(v.group, r)
+
+    def release(self, view: SlotView, finished: bool) -> None:
+        """A group published a slot (idle again after a request, or after a slot action)."""
+        with self._lock:
+            self._views[view.id] = view
+            if not finished:
+                return
+            rid = self._slot_request.pop(view.id, None)
+            if rid is not None:
+                self._running.pop(rid, None)
+            self._idle.add(view.id)
+            self._last_used[view.id] = time.monotonic()
+            while self._waiting and self._idle:
+                _, r = self._waiting.popitem(last=False)
+                self._assign(r)
+
+    def cancel(self, request_id: str) -> bool:
+        with self._lock:
+            r = self._waiting.pop(request_id, None)
+            if r is None:
+                running = self._running.get(request_id)
+                if running is None:
+                    return False
+                group = self._views[running.slot_id].group
+        if r is not None:
+            self._sink([Output(r.id, "", 0, "cancelled", len(r.prompt_tokens))])
+            return True
+        self._cancel_running(group, request_id)
+        return True
+
+    def views(self) -> list[SlotView]:
+        with self._lock:
+            return [self._views[i] for i in sorted(self._views)]
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting)."""
+        with self._lock:
+            return len(self._running), len(self._waiting)
+
+    def is_running(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._running

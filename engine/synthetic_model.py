@@ -1,0 +1,198 @@
+"""Writes the synthetic GGUF that the default demo, the tests and the benchmark serve.
+
+No model can be downloaded on the machines this project is built on, so it writes its own:
+llama architecture, deterministic random weights from a seed, an SPM-style vocabulary
+(special tokens, the 256 byte tokens, word pieces, filler pieces up to the requested size)
+and a chat template. Every shape is a parameter. The text it generates is gibberish; the
+output layer is scaled so that the logits are peaked, which keeps greedy decoding stable
+against the last-bit differences between batch shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Common English pieces so that real text tokenizes into words, not bytes.
+_WORDS = (
+    "the of and to in is that for it as was with be by on not he this are or his from at "
+    "which but have an they you were her she there one all we their can has more will would "
+    "been if no when what so out up into do time only new some could these two may first then "
+    "any like other than now people my made over did down way each just very where after most "
+    "hello world model token layer split stage group pipeline node fast serve request answer "
+    "question machine learning python data value tell me about story once upon a time there lived "
+    "king queen dog cat house tree water fire red blue green big small good bad day night"
+).split()
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    n_layer: int = 4
+    n_embd: int = 256
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_ff: int = 512
+    n_vocab: int = 4096
+    n_ctx_train: int = 4096
+    ftype: str = "f16"  # "f16" or "q8_0"
+    seed: int = 1234
+
+
+def build_vocab(n_vocab: int) -> tuple[list[bytes], list[float], list[int]]:
+    """The vocabulary: control tokens, 256 byte tokens, word pieces, then fillers."""
+    from gguf import TokenType
+
+    tokens: list[bytes] = []
+    scores: list[float] = []
+    types: list[int] = []
+
+    def add(piece: str | bytes, score: float, ttype: int) -> None:
+        tokens.append(piece.encode() if isinstance(piece, str) else piece)
+        scores.append(score)
+        types.append(int(ttype))
+
+    add("<unk>", 0.0, TokenType.UNKNOWN)
+    add("<s>", 0.0, TokenType.CONTROL)
+    add("</s>", 0.0, TokenType.CONTROL)
+    add("<|im_start|>", 0.0, TokenType.CONTROL)
+    add("<|im_end|>", 0.0, TokenType.CONTROL)
+    for b in range(256):
+        add(f"<0x{b:02X}>", 0.0, TokenType.BYTE)
+    seen = set()
+    pieces: list[str] = []
+    # SPM merges pairs of adjacent pieces, so every prefix of a word must be a piece too.
+    for w in _WORDS:
+        for word in ("\u2581" + w, w):
+            for n in range(2, len(word) + 1):
+                p = word[:n]
+                if p not in seen:
+                    seen.add(p)
+                    pieces.append(p)
+    for ch in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\"-:;()\n":
+        for p in (ch, "\u2581" + ch):
+            if p not in seen and ch != "\n":
+                seen.add(p)
+                pieces.append(p)
+    pieces.append("\u2581")
+    for i, p in enumerate(pieces):
+        add(p, -float(i + 1), TokenType.NORMAL)
+    n_fill = n_vocab - len(tokens)
+    if n_fill < 0:
+        raise ValueError(f"n_vocab must be at least {len(tokens)}")
+    for i in range(n_fill):
+        add(f"\u2581tok{i}", -float(len(pieces) + i + 1), TokenType.NORMAL)
+    return tokens, scores, types
+
+
+def write_model(path: str | os.PathLike[str], shape: ModelShape = ModelShape()) -> Path:
+    """Write a llama-architecture GGUF with random weights to ``path`` (atomically)."""
+    import gguf
+
+    if shape.n_embd % shape.n_head or shape.n_head % shape.n_head_kv:
+        raise ValueError("n_embd must divide by n_head and n_head by n_head_kv")
+    if shape.ftype not in ("f16", "q8_0"):
+        raise ValueError("ftype must be f16 or q8_0")
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    rng = np.random.default_rng(shape.seed)
+    head_dim = shape.n_embd // shape.n_head
+    n_embd_kv = head_dim * shape.n_head_kv
+
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name(f"synthetic-llama-{shape.n_layer}L-{shape.n_embd}d-{shape.n_vocab}v")
+    w.add_context_length(shape.n_ctx_train)
+    w.add_embedding_length(shape.n_embd)
+    w.add_block_count(shape.n_layer)
+    w.add_feed_forward_length(shape.n_ff)
+    w.add_head_count(shape.n_head)
+    w.add_head_count_kv(shape.n_head_kv)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(shape.n_vocab)
+    ftype = gguf.LlamaFileType.MOSTLY_F16 if shape.ftype == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0
+    w.add_file_type(ftype)
+
+    tokens, scores, types = build_vocab(shape.n_vocab)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(4)  # <|im_end|> ends a chat turn
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    qtype = gguf.GGMLQuantizationType.F16 if shape.ftype == "f16" else gguf.GGMLQuantizationType.Q8_0
+
+    def matrix(name: str, rows: int, cols: int, scale: float) -> None:
+        data = (rng.standard_normal((rows, cols), dtype=np.float32) * scale).astype(np.float32)
+        if qtype == gguf.GGMLQuantizationType.Q8_0 and cols % 32 == 0:
+            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, data.astype(np.float16))
+
+    def norm(name: str) -> None:
+        w.add_tensor(name, np.ones(shape.n_embd, dtype=np.float32))
+
+    e = shape.n_embd
+    matrix("token_embd.weight", shape.n_vocab, e, 1.0)
+    for i in range(shape.n_layer):
+        norm(f"blk.{i}.attn_norm.weight")
+        matrix(f"blk.{i}.attn_q.weight", e, e, 1.0 / np.sqrt(e))
+        matrix(f"blk.{i}.attn_k.weight", n_embd_kv, e, 1.0 / np.sqrt(e))
+        matrix(f"blk.{i}.attn_v.weight", n_embd_kv, e, 1.0 / np.sqrt(e))
+        matrix(f"blk.{i}.attn_output.weight", e, e, 0.5 / np.sqrt(e))
+        norm(f"blk.{i}.ffn_norm.weight")
+        matrix(f"blk.{i}.ffn_gate.weight", shape.n_ff, e, 1.0 / np.sqrt(e))
+        matrix(f"blk.{i}.ffn_up.weight", shape.n_ff, e, 1.0 / np.sqrt(e))
+        matrix(f"blk.{i}.ffn_down.weight", e, shape.n_ff, 0.5 / np.sqrt(shape.n_ff))
+    norm("output_norm.weight")
+    # Logits with a standard deviation of about 8: peaked, so argmax is stable.
+    matrix("output.weight", shape.n_vocab, e, 8.0 / np.sqrt(e))
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, out)
+    log.info("wrote %s", out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="models/default.gguf")
+    p.add_argument("--if-absent", action="store_true", help="do nothing if the file exists")
+    d = ModelShape()
+    for field in ("n_layer", "n_embd", "n_head", "n_head_kv", "n_ff", "n_vocab", "n_ctx_train", "seed"):
+        p.add_argument("--" + field.replace("_", "-"), type=int, default=getattr(d, field))
+    p.add_argument("--ftype", choices=["f16", "q8_0"], default=d.ftype)
+    a = p.parse_args(argv)
+    if a.if_absent and Path(a.out).exists():
+        return
+    shape = ModelShape(**{k: getattr(a, k) for k in ModelShape.__dataclass_fields__})
+    write_model(a.out, shape)
+    print(a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The records that cross threads: requests in, per-step outputs out, and the errors."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from engine.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    """The request cannot be served as asked (HTTP 400)."""
+
+
+class QueueFullError(RuntimeError):
+    """Every slot is busy and the wait queue is full (HTTP 429)."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine is not running (HTTP 503)."""
+
+
+@dataclass(eq=False)
+class Request:
+    """A request as the engine runs it. Immutable once submitted, but for ``slot_id``."""
+
+    id: str
+    prompt_tokens: list[int]
+    params: SamplingParams
+    n_predict: int  # max_tokens clamped to what the slot context allows
+    t_arrival: float = field(default_factory=time.monotonic)
+    slot_id: int = -1
+
+
+class Output(NamedTuple):
+    """What one step produced for one request. ``finish_reason`` set means it is the last."""
+
+    request_id: str
+    text: str
+    n_tokens: int  # tokens generated in this step (0 or 1)
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+    t_first_token: float = 0.0  # seconds from arrival to the first token (on the final output)
+    t_queue: float = 0.0  # seconds waiting for a slot (on the final output)

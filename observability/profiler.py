@@ -1,0 +1,88 @@
+"""Host-path profiler of one pipeline group.
+
+The group's thread is the only writer of its ``GroupProfiler``; other threads read the
+immutable ``ProfileSnapshot`` it publishes after each step (an atomic reference swap), so
+reading the figures never races with writing them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, fields
+
+log = logging.getLogger(__name__)
+
+PHASES = ("wait", "batch", "decode", "sync", "sample", "detok", "stop", "send")
+
+
+@dataclass(frozen=True)
+class ProfileSnapshot:
+    group: int = 0
+    steps: int = 0
+    rows: int = 0  # sampled rows (generated tokens) over all steps
+    batch_tokens: int = 0  # tokens decoded (prompt + generated)
+    busy_slots_sum: int = 0  # sum over steps of slots busy during the step
+    wait: float = 0.0
+    batch: float = 0.0
+    decode: float = 0.0
+    sync: float = 0.0
+    sample: float = 0.0
+    detok: float = 0.0
+    stop: float = 0.0
+    send: float = 0.0
+
+    def minus(self, other: ProfileSnapshot) -> ProfileSnapshot:
+        vals = {f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)}
+        vals["group"] = self.group
+        return ProfileSnapshot(**vals)
+
+    def line(self) -> str:
+        s = max(self.steps, 1)
+        r = max(self.rows, 1)
+        ms = 1000.0
+        step = sum(getattr(self, p) for p in PHASES if p != "wait")
+        return (
+            f"group {self.group}: {self.steps} steps, {self.rows / s:.1f} rows/step | per step ms: "
+            f"wait {self.wait / s * ms:.2f} batch {self.batch / s * ms:.2f} "
+            f"decode {self.decode / s * ms:.2f} sync {self.sync / s * ms:.2f} "
+            f"step {step / s * ms:.2f} | per token ms: sample {self.sample / r * ms:.3f} "
+            f"detok {self.detok / r * ms:.3f} stop {self.stop / r * ms:.3f} send {self.send / r * ms:.3f}"
+        )
+
+
+class GroupProfiler:
+    """Accumulates phase times; written only by its group's thread."""
+
+    def __init__(self, group: int, log_every_s: float = 5.0, enabled_log: bool = False) -> None:
+        self.group = group
+        self._acc = dict.fromkeys(PHASES, 0.0)
+        self._steps = self._rows = self._tokens = self._busy = 0
+        self.snapshot = ProfileSnapshot(group=group)
+        self._log_every = log_every_s
+        self._log_enabled = enabled_log
+        self._last_log_t = time.monotonic()
+        self._last_log_snap = self.snapshot
+
+    def add(self, phase: str, seconds: float) -> None:
+        self._acc[phase] += seconds
+
+    def end_step(self, rows: int, tokens: int, busy_slots: int) -> None:
+        self._steps += 1
+        self._rows += rows
+        self._tokens += tokens
+        self._busy += busy_slots
+        self.snapshot = ProfileSnapshot(
+            group=self.group,
+            steps=self._steps,
+            rows=self._rows,
+            batch_tokens=self._tokens,
+            busy_slots_sum=self._busy,
+            **self._acc,
+        )
+        if self._log_enabled:
+            now = time.monotonic()
+            if now - self._last_log_t >= self._log_every:
+                log.info("pipe-prof %s", self.snapshot.minus(self._last_log_snap).line())
+                self._last_log_t = now
+                self._last_log_snap = self.snapshot
