@@ -98,7 +98,7 @@ class PipelineGroup:
             if n_pool > 1
             else None
         )
-        self.prof = GroupProfiler(index, enabled_log=config.profile)
+        self.prof = GroupProfiler(index, kv_total=self.ctx.n_ctx, enabled_log=config.profile)
         self.active: list[Slot] = []
         self.alive = True
         self.error: str | None = None
@@ -270,7 +270,8 @@ class PipelineGroup:
         if outs:
             self.sink(outs)
         prof.add("send", time.perf_counter() - t5)
-        prof.end_step(len(rows), n_tokens, len(self.active) + sum(1 for o in outs if o.finish_reason))
+        n_busy = len(self.active) + sum(1 for o in outs if o.finish_reason)
+        prof.end_step(len(rows), n_tokens, n_busy, sum(len(s.cache_tokens) for s in self.slots))
 
     def _sample(self, rows: list[Slot], logits: np.ndarray) -> list[int]:
         n = len(rows)
@@ -337,6 +338,7 @@ class PipelineGroup:
             error=error,
             t_first_token=(s.t_first_token - r.t_arrival) if s.t_first_token else 0.0,
             t_queue=s.t_start - r.t_arrival,
+            t_end=now - r.t_arrival,
         )
         if s.sampler is not None:
             s.sampler.close()

@@ -174,7 +174,7 @@ def add_rpc_server(endpoint: str) -> list[str]:
 def local_device_name() -> str:
     """The device that should hold the last layers and the output: the first GPU, else CPU."""
     for d in list_devices():
-        if d.type in (1, 2):  # GPU or integrated GPU
+        if d.type in (1, 2) and not d.name.startswith("RPC"):  # a GPU of this node
             return d.name
     return "CPU"
 

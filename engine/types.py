@@ -46,3 +46,4 @@ class Output(NamedTuple):
     error: str | None = None
     t_first_token: float = 0.0  # seconds from arrival to the first token (on the final output)
     t_queue: float = 0.0  # seconds waiting for a slot (on the final output)
+    t_end: float = 0.0  # seconds from arrival to this final output

@@ -23,6 +23,8 @@ class ProfileSnapshot:
     rows: int = 0  # sampled rows (generated tokens) over all steps
     batch_tokens: int = 0  # tokens decoded (prompt + generated)
     busy_slots_sum: int = 0  # sum over steps of slots busy during the step
+    kv_used: int = 0  # KV cells holding tokens after the last step
+    kv_total: int = 0
     wait: float = 0.0
     batch: float = 0.0
     decode: float = 0.0
@@ -35,6 +37,7 @@ class ProfileSnapshot:
     def minus(self, other: ProfileSnapshot) -> ProfileSnapshot:
         vals = {f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)}
         vals["group"] = self.group
+        vals["kv_used"], vals["kv_total"] = self.kv_used, self.kv_total
         return ProfileSnapshot(**vals)
 
     def line(self) -> str:
@@ -54,11 +57,14 @@ class ProfileSnapshot:
 class GroupProfiler:
     """Accumulates phase times; written only by its group's thread."""
 
-    def __init__(self, group: int, log_every_s: float = 5.0, enabled_log: bool = False) -> None:
+    def __init__(
+        self, group: int, kv_total: int = 0, log_every_s: float = 5.0, enabled_log: bool = False
+    ) -> None:
         self.group = group
+        self.kv_total = kv_total
         self._acc = dict.fromkeys(PHASES, 0.0)
         self._steps = self._rows = self._tokens = self._busy = 0
-        self.snapshot = ProfileSnapshot(group=group)
+        self.snapshot = ProfileSnapshot(group=group, kv_total=kv_total)
         self._log_every = log_every_s
         self._log_enabled = enabled_log
         self._last_log_t = time.monotonic()
@@ -67,7 +73,7 @@ class GroupProfiler:
     def add(self, phase: str, seconds: float) -> None:
         self._acc[phase] += seconds
 
-    def end_step(self, rows: int, tokens: int, busy_slots: int) -> None:
+    def end_step(self, rows: int, tokens: int, busy_slots: int, kv_used: int) -> None:
         self._steps += 1
         self._rows += rows
         self._tokens += tokens
@@ -78,6 +84,8 @@ class GroupProfiler:
             rows=self._rows,
             batch_tokens=self._tokens,
             busy_slots_sum=self._busy,
+            kv_used=kv_used,
+            kv_total=self.kv_total,
             **self._acc,
         )
         if self._log_enabled:

@@ -1,0 +1,78 @@
+"""A two-node Ray cluster on one machine: the real topology for the demo and the tests.
+
+A head node carries the ``stage_local`` resource (engine and ingress), a second raylet
+joins it with ``stage_peer`` (the RPC stage). Both are started with the venv's ``ray``
+and stopped together.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 6390
+
+
+def _ray_bin() -> str:
+    cand = Path(sys.executable).parent / "ray"
+    return str(cand) if cand.exists() else "ray"
+
+
+def auth_env() -> dict[str, str]:
+    """Ray 2.60's head turns token authentication on; joiners and drivers need the token."""
+    env = dict(os.environ)
+    token_file = Path.home() / ".ray" / "auth_token"
+    if "RAY_AUTH_TOKEN" not in env and token_file.exists():
+        env["RAY_AUTH_MODE"] = "token"
+        env["RAY_AUTH_TOKEN"] = token_file.read_text().strip()
+    return env
+
+
+def _run(args: list[str], env: dict[str, str] | None = None) -> None:
+    log.info("$ %s", " ".join(args))
+    subprocess.run(args, check=True, env=env or dict(os.environ), stdout=subprocess.DEVNULL)
+
+
+def start(port: int = DEFAULT_PORT, head_cpus: int = 4, peer_cpus: int = 2) -> str:
+    """Start the head and the peer raylet; returns the cluster address."""
+    ray = _ray_bin()
+    address = f"127.0.0.1:{port}"
+    common = ["--disable-usage-stats", "--object-store-memory", str(300 * 1024 * 1024)]
+    _run(
+        [ray, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", f"--num-cpus={head_cpus}",
+         "--resources=" + json.dumps({"stage_local": 1}), "--include-dashboard=false", *common]
+    )
+    env = auth_env()
+    _run(
+        [ray, "start", f"--address={address}", "--node-ip-address=127.0.0.1", f"--num-cpus={peer_cpus}",
+         "--resources=" + json.dumps({"stage_peer": 1}), *common],
+        env=env,
+    )
+    os.environ.update({k: v for k, v in env.items() if k.startswith("RAY_AUTH")})
+    _wait_nodes(address, 2)
+    return address
+
+
+def _wait_nodes(address: str, n: int, timeout_s: float = 60.0) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    ray.init(address=address, logging_level=logging.WARNING, namespace="pipeline-groups")
+    try:
+        while sum(1 for x in ray.nodes() if x.get("Alive")) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(ray.nodes())} of {n} Ray nodes came up")
+            time.sleep(0.5)
+    finally:
+        ray.shutdown()
+
+
+def stop() -> None:
+    subprocess.run([_ray_bin(), "stop", "--force"], check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

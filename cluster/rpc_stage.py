@@ -1,0 +1,150 @@
+"""The peer stage as a Ray actor: supervises a ggml RPC server process on its node.
+
+The server runs in a child process so that a crash is contained; the actor restarts it
+when it exits and answers health checks. ``start_stage`` (called by the app builder)
+places the actor on the node with the ``stage_peer`` resource, picks the address to bind,
+and waits until the server accepts connections.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import ray
+
+log = logging.getLogger(__name__)
+
+STAGE_NAME = "pgroups-rpc-stage"
+NAMESPACE = "pipeline-groups"
+
+
+def port_open(host: str, port: int, timeout: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+class RpcStage:
+    def __init__(self, host: str, port: int, threads: int, devices: list[str] | None, cache_dir: str | None):
+        self.host, self.port = host, port
+        self.cmd = [sys.executable, "-m", "cluster.rpc_server", "--host", host, "--port", str(port)]
+        if threads:
+            self.cmd += ["--threads", str(threads)]
+        for d in devices or []:
+            self.cmd += ["--device", d]
+        if cache_dir:
+            self.cmd += ["--cache-dir", cache_dir]
+        self.restarts = 0
+        self.started_at = 0.0
+        self._stopping = False
+        self._lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
+        self._spawn()
+        threading.Thread(target=self._supervise, daemon=True, name="rpc-stage-supervisor").start()
+
+    def _spawn(self) -> None:
+        with self._lock:
+            # the server prints a line per connection; keep only its errors
+            self.proc = subprocess.Popen(self.cmd, env=dict(os.environ), stdout=subprocess.DEVNULL)
+            self.started_at = time.monotonic()
+        log.info("rpc stage pid %d: %s", self.proc.pid, " ".join(self.cmd))
+
+    def _supervise(self) -> None:
+        while not self._stopping:
+            rc = self.proc.wait()
+            if self._stopping:
+                return
+            log.warning("rpc server exited with %s; restarting", rc)
+            self.restarts += 1
+            time.sleep(0.2)
+            self._spawn()
+
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def ready(self, timeout_s: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while not port_open(self.host, self.port):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"RPC stage {self.endpoint()} did not start in {timeout_s} s")
+            time.sleep(0.1)
+        return self.endpoint()
+
+    def health(self) -> dict[str, Any]:
+        alive = self.proc is not None and self.proc.poll() is None
+        return {
+            "alive": alive,
+            "accepting": alive and port_open(self.host, self.port, 0.5),
+            "pid": self.proc.pid if self.proc else None,
+            "restarts": self.restarts,
+            "endpoint": self.endpoint(),
+            "rss_bytes": _rss(self.proc.pid) if alive else 0,
+            "cpu_seconds": _cpu_seconds(self.proc.pid) if alive else 0.0,
+        }
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return 0.0
+
+
+def _node_ips_with(resource: str) -> list[str]:
+    return [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get(resource, 0) > 0]
+
+
+def choose_host(rpc_host: str | None, peer_resource: str | None, local_resource: str) -> str:
+    """The address the stage binds: given, else the peer's private address, else loopback."""
+    if rpc_host:
+        return rpc_host
+    peers = _node_ips_with(peer_resource) if peer_resource else []
+    locals_ = _node_ips_with(local_resource)
+    if not peers or (locals_ and peers[0] in locals_):
+        return "127.0.0.1"
+    return peers[0]
+
+
+def start_stage(rpc: Any, peer_resource: str | None, local_resource: str) -> str:
+    """Start (or reuse) the stage actor and return its endpoint once it accepts connections."""
+    host = choose_host(rpc.host, peer_resource, local_resource)
+    opts: dict[str, Any] = {"name": STAGE_NAME, "namespace": NAMESPACE, "lifetime": "detached", "get_if_exists": True}
+    if peer_resource and ray.cluster_resources().get(peer_resource, 0) > 0:
+        opts["resources"] = {peer_resource: 0.01}
+    stage = RpcStage.options(**opts).remote(host, rpc.port, rpc.threads, rpc.devices, rpc.cache_dir)
+    endpoint = ray.get(stage.ready.remote(rpc.start_timeout_s), timeout=rpc.start_timeout_s + 30)
+    log.info("RPC stage ready at %s", endpoint)
+    return endpoint
+
+
+def get_stage() -> Any:
+    return ray.get_actor(STAGE_NAME, namespace=NAMESPACE)

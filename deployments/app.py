@@ -1,0 +1,157 @@
+"""The Ray Serve application: ``build_app(args)`` for ``serve run <config>``.
+
+The builder validates the arguments once (pydantic, a description on every field), starts
+the RPC stage on the peer node and waits until it accepts connections, then binds the
+engine deployment (local node) and the OpenAI ingress in front of it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = REPO_ROOT / "models" / "default.gguf"
+LOCAL_RESOURCE = "stage_local"
+PEER_RESOURCE = "stage_peer"
+
+
+class RpcArgs(BaseModel):
+    """The peer stage: a ggml RPC server that computes the first layers [--rpc]."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(default=True, description="Split the model over the RPC stage; false serves from the local node alone.")
+    host: str | None = Field(
+        default=None,
+        description="Address the stage binds and the engine connects to. Default: the peer node's "
+        "private address as Ray reports it, or 127.0.0.1 when both stages share a machine.",
+    )
+    port: int = Field(default=50052, ge=1, le=65535, description="TCP port of the stage.")
+    threads: int = Field(default=0, ge=0, description="CPU threads of the stage's compute; 0 picks one per core.")
+    devices: list[str] | None = Field(
+        default=None, description="Devices the stage exposes (e.g. ['CUDA0']); default: its first GPU, else CPU."
+    )
+    cache_dir: str | None = Field(
+        default=None, description="Folder where the stage caches large tensors so a reconnect does not resend them."
+    )
+    allow_all_interfaces: bool = Field(
+        default=False,
+        description="Allow host 0.0.0.0. The ggml RPC protocol has no authentication: anyone who "
+        "reaches the port can run code on the stage, so keep it on a private link.",
+    )
+    start_timeout_s: float = Field(default=300.0, gt=0, description="How long to wait for the stage to accept connections.")
+
+    @model_validator(mode="after")
+    def _check(self) -> RpcArgs:
+        if self.host in ("0.0.0.0", "::") and not self.allow_all_interfaces:
+            raise ValueError(
+                "rpc.host 0.0.0.0 exposes the unauthenticated RPC stage on every interface; "
+                "use the peer's private address, or set rpc.allow_all_interfaces: true"
+            )
+        return self
+
+
+class AppArgs(BaseModel):
+    """Arguments of ``build_app`` (the ``args:`` of a Serve config); llama-server flags in brackets."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(default=str(DEFAULT_MODEL), description="GGUF file on the local node [-m]; default: the synthetic demo model.")
+    model_alias: str | None = Field(default=None, description="Model name the API reports and accepts [--alias].")
+    n_ctx: int = Field(default=4096, ge=16, description="Total context, divided over the slots [-c].")
+    n_parallel: int = Field(default=8, ge=1, description="Slots [--parallel].")
+    pipeline_groups: int = Field(default=1, ge=1, description="llama_contexts the slots are spread over [--pipeline-groups].")
+    n_batch: int = Field(default=512, ge=1, description="Most tokens per decode step [-b].")
+    n_ubatch: int = Field(default=512, ge=1, description="Physical micro-batch [-ub].")
+    n_threads: int = Field(default=0, ge=0, description="Threads of the local device; 0 is one per core [-t].")
+    devices: list[str] | None = Field(
+        default=None,
+        description="Devices in layer order [--device]; default RPC first, local device last, so "
+        "the output layer and the logits stay local.",
+    )
+    tensor_split: list[float] | None = Field(default=None, description="Share of the layers per device, in device order [-ts].")
+    n_gpu_layers: int = Field(default=-1, description="Layers on devices, -1 all [-ngl].")
+    rpc: RpcArgs | None = Field(default=None, description="The peer stage [--rpc]; absent or disabled: no split.")
+    cache_prompt: bool = Field(default=True, description="Reuse a slot's cached prefix for a new prompt.")
+    api_key: str | None = Field(default=None, description="Require 'Authorization: Bearer <key>' on every endpoint but /health [--api-key].")
+    sample_threads: int = Field(default=0, ge=0, description="Sampling threads over all groups; 1 is serial.")
+    backend_sampling: bool = Field(default=False, description="Sample in the compute graph where the chain allows it.")
+    max_queued_requests: int = Field(default=256, ge=0, description="Requests that may wait for a slot before HTTP 429.")
+    request_timeout_s: float | None = Field(default=None, gt=0, description="Cancel a request that runs longer [--timeout].")
+    slot_save_path: str | None = Field(default=None, description="Folder for slot save/restore files [--slot-save-path].")
+    profile: bool = Field(default=False, description="Log each group's host path every 5 s (also PGROUPS_PROFILE=1).")
+    graph_reuse: bool = Field(default=False, description="Allow llama.cpp graph reuse (see the README on RPC races).")
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, description="Largest accepted request body.")
+    placement: bool = Field(
+        default=True,
+        description="Place the engine on the node with the 'stage_local' resource and the RPC stage "
+        "on the node with 'stage_peer' when the cluster has them.",
+    )
+
+    def engine_config(self, rpc_endpoints: list[str]) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            model_alias=self.model_alias,
+            n_ctx=self.n_ctx,
+            n_parallel=self.n_parallel,
+            pipeline_groups=self.pipeline_groups,
+            n_batch=self.n_batch,
+            n_ubatch=self.n_ubatch,
+            n_threads=self.n_threads,
+            devices=self.devices,
+            rpc_endpoints=rpc_endpoints,
+            n_gpu_layers=self.n_gpu_layers,
+            tensor_split=self.tensor_split,
+            cache_prompt=self.cache_prompt,
+            sample_threads=self.sample_threads,
+            backend_sampling=self.backend_sampling,
+            max_queued_requests=self.max_queued_requests,
+            slot_save_path=self.slot_save_path,
+            profile=self.profile,
+            graph_reuse=self.graph_reuse,
+        )
+
+
+def _has_resource(name: str) -> bool:
+    import ray
+
+    return ray.cluster_resources().get(name, 0) > 0
+
+
+def _ensure_model(path: str) -> None:
+    if Path(path) == DEFAULT_MODEL and not DEFAULT_MODEL.exists():
+        from engine.synthetic_model import write_model
+
+        write_model(DEFAULT_MODEL)
+
+
+def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
+    from deployments.engine_deployment import EngineDeployment
+    from deployments.ingress import Ingress
+
+    a = AppArgs.model_validate(args or {})
+    _ensure_model(a.model)
+    endpoints: list[str] = []
+    if a.rpc is not None and a.rpc.enabled:
+        from cluster.rpc_stage import start_stage
+
+        endpoints = [start_stage(a.rpc, PEER_RESOURCE if a.placement else None, LOCAL_RESOURCE)]
+    cfg = a.engine_config(endpoints)  # validates the combination before anything is deployed
+    actor_opts: dict[str, Any] = {"num_cpus": 0}
+    if a.placement and _has_resource(LOCAL_RESOURCE):
+        actor_opts["resources"] = {LOCAL_RESOURCE: 0.01}
+    engine = EngineDeployment.options(ray_actor_options=actor_opts).bind(cfg.model_dump())
+    names = [a.model_alias or Path(a.model).name]
+    if a.model_alias:
+        names.append(Path(a.model).name)
+    return Ingress.options(ray_actor_options=dict(actor_opts)).bind(
+        engine, names, a.api_key, a.request_timeout_s, a.max_body_bytes
+    )

@@ -1,0 +1,338 @@
+"""The HTTP ingress: the OpenAI-compatible API, SSE streaming, slots, health and metrics.
+
+Each ingress replica opens one long-lived stream from the engine actor that carries the
+outputs of all its requests in per-step batches, and hands each output to the waiting
+request's queue. A request is registered here before it is submitted, so no output can
+arrive for an unknown request. A client that goes away cancels its request in the engine.
+"""
+
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+
+from deployments.protocol import ChatCompletionRequest, CompletionRequest, error_body, now, usage
+from engine.types import Output
+
+log = logging.getLogger(__name__)
+
+app = FastAPI(title="pipeline-groups OpenAI-compatible API", version="0.1.0")
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+    504: "timeout_error",
+}
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+def err_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(
+        error_body(message, ERROR_TYPES.get(status, "server_error"), status, param),
+        status_code=status,
+        headers=headers,
+    )
+
+
+def _validation_message(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        msg = err.get("msg", "invalid")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+@serve.deployment(name="ingress", max_ongoing_requests=2048, graceful_shutdown_timeout_s=30)
+@serve.ingress(app)
+class Ingress:
+    def __init__(
+        self,
+        engine: Any,
+        model_names: list[str],
+        api_key: str | None = None,
+        request_timeout_s: float | None = None,
+        max_body_bytes: int = 8 * 1024 * 1024,
+    ) -> None:
+        self.engine = engine
+        self.model_names = model_names
+        self.api_key = api_key
+        self.request_timeout_s = request_timeout_s
+        self.max_body_bytes = max_body_bytes
+        self.ingress_id = uuid.uuid4().hex
+        self._pending: dict[str, asyncio.Queue] = {}
+        self._pump_task: asyncio.Task | None = None
+
+    # ---- the output stream from the engine ----------------------------------------------------
+
+    def _ensure_pump(self) -> None:
+        if self._pump_task is None or self._pump_task.done():
+            self._pump_task = asyncio.get_running_loop().create_task(self._pump())
+
+    async def _pump(self) -> None:
+        while True:
+            try:
+                gen = self.engine.options(stream=True).outputs.remote(self.ingress_id)
+                async for batch in gen:
+                    for t in batch:
+                        q = self._pending.get(t[0])
+                        if q is not None:
+                            q.put_nowait(Output(*t))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the engine replica died: fail what is in flight
+                log.warning("output stream from the engine ended: %s", e)
+            for rid, q in list(self._pending.items()):
+                q.put_nowait(Output(rid, "", 0, "error", error="the engine restarted; retry the request"))
+            await asyncio.sleep(0.2)
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    def _check_auth(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        h = request.headers.get("authorization", "")
+        token = h[7:] if h[:7].lower() == "bearer " else ""
+        if not token or not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            raise HTTPError(401, "invalid or missing API key (Authorization: Bearer <key>)")
+
+    async def _json(self, request: Request) -> dict:
+        cl = request.headers.get("content-length")
+        if cl is not None and cl.isdigit() and int(cl) > self.max_body_bytes:
+            raise HTTPError(413, f"request body larger than {self.max_body_bytes} bytes")
+        raw = await request.body()
+        if len(raw) > self.max_body_bytes:
+            raise HTTPError(413, f"request body larger than {self.max_body_bytes} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise HTTPError(400, f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise HTTPError(400, "the body must be a JSON object")
+        return body
+
+    def _check_model(self, name: str | None) -> None:
+        if name and name not in self.model_names:
+            raise HTTPError(404, f"the model {name!r} does not exist; this server serves {self.model_names[0]!r}", "model")
+
+    async def _submit(self, request: Request, kind: str) -> Response:
+        try:
+            self._check_auth(request)
+            body = await self._json(request)
+            model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+            try:
+                req = model_cls.model_validate(body)
+                req.sampling(1)
+            except ValidationError as e:
+                raise HTTPError(400, _validation_message(e)) from None
+            except ValueError as e:
+                raise HTTPError(400, str(e)) from None
+            self._check_model(req.model)
+        except HTTPError as e:
+            return err_response(e.status, e.message, e.param, e.headers)
+        self._ensure_pump()
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        q: asyncio.Queue = asyncio.Queue()
+        self._pending[rid] = q
+        try:
+            res = await self.engine.submit.remote(self.ingress_id, rid, kind, body)
+        except BaseException:
+            self._pending.pop(rid, None)
+            raise
+        if "error" in res:
+            self._pending.pop(rid, None)
+            e = res["error"]
+            headers = {"Retry-After": "1"} if e["status"] == 429 else None
+            return err_response(e["status"], e["message"], headers=headers)
+        model = self.model_names[0]
+        if req.stream:
+            return StreamingResponse(
+                self._sse(rid, q, kind, model, req.include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await self._collect(rid, q, kind, model)
+
+    async def _outputs(self, rid: str, q: asyncio.Queue) -> AsyncIterator[Output]:
+        """The request's outputs until its last; cancels it in the engine if abandoned."""
+        deadline = time.monotonic() + self.request_timeout_s if self.request_timeout_s else None
+        finished = False
+        try:
+            while True:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    o = await asyncio.wait_for(q.get(), timeout)
+                except TimeoutError:
+                    yield Output(rid, "", 0, "error", error=f"request timed out after {self.request_timeout_s} s")
+                    return
+                finished = o.finish_reason is not None
+                yield o
+                if finished:
+                    return
+        finally:
+            self._pending.pop(rid, None)
+            if not finished:
+                try:
+                    await self.engine.cancel.remote(rid)
+                except Exception:  # the engine is gone; nothing to cancel
+                    pass
+
+    async def _collect(self, rid: str, q: asyncio.Queue, kind: str, model: str) -> Response:
+        parts: list[str] = []
+        last = None
+        async for o in self._outputs(rid, q):
+            parts.append(o.text)
+            last = o
+        assert last is not None
+        if last.finish_reason == "error":
+            status = 504 if "timed out" in (last.error or "") else 500
+            return err_response(status, last.error or "generation failed")
+        text = "".join(parts)
+        u = usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+        if kind == "chat":
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": last.finish_reason,
+                "logprobs": None,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": None}
+            obj = "text_completion"
+        return JSONResponse(
+            {"id": rid, "object": obj, "created": now(), "model": model, "choices": [choice], "usage": u}
+        )
+
+    async def _sse(self, rid: str, q: asyncio.Queue, kind: str, model: str, include_usage: bool):
+        created = now()
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        def chunk(text: str | None, finish: str | None, first: bool = False) -> bytes:
+            if kind == "chat":
+                delta: dict[str, Any] = {}
+                if first:
+                    delta["role"] = "assistant"
+                if text:
+                    delta["content"] = text
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+            if include_usage:
+                body["usage"] = None
+            return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+        if kind == "chat":
+            yield chunk(None, None, first=True)
+        async for o in self._outputs(rid, q):
+            if o.finish_reason == "error":
+                err = error_body(o.error or "generation failed", "server_error", 500)
+                yield b"data: " + json.dumps(err).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+                return
+            if o.finish_reason is None:
+                if o.text:
+                    yield chunk(o.text, None)
+                continue
+            if o.finish_reason == "cancelled":
+                return
+            if kind == "chat" and o.text:
+                yield chunk(o.text, None)
+                yield chunk(None, o.finish_reason)
+            else:
+                yield chunk(o.text, o.finish_reason)
+            if include_usage:
+                body = {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage(o.prompt_tokens, o.completion_tokens, o.cached_tokens),
+                }
+                yield b"data: " + json.dumps(body).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    # ---- routes ------------------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._submit(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._submit(request, "chat")
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        try:
+            self._check_auth(request)
+        except HTTPError as e:
+            return err_response(e.status, e.message)
+        data = [{"id": self.model_names[0], "object": "model", "created": 0, "owned_by": "pipeline-groups"}]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        try:
+            info = await asyncio.wait_for(self.engine.info.remote(), timeout=2.0)
+        except Exception:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        if not info.get("healthy"):
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/slots")
+    async def slots(self, request: Request) -> Response:
+        try:
+            self._check_auth(request)
+        except HTTPError as e:
+            return err_response(e.status, e.message)
+        return JSONResponse(await self.engine.slots.remote())
+
+    @app.post("/slots/{slot_id}")
+    async def slot_action(self, slot_id: int, request: Request, action: str = "") -> Response:
+        try:
+            self._check_auth(request)
+            body = await self._json(request) if (await request.body()) else {}
+        except HTTPError as e:
+            return err_response(e.status, e.message)
+        filename = body.get("filename")
+        if filename is not None and not isinstance(filename, str):
+            return err_response(400, "filename must be a string")
+        res = await self.engine.slot_action.remote(slot_id, action, filename)
+        if "error" in res:
+            return err_response(res["error"]["status"], res["error"]["message"])
+        return JSONResponse(res)
+
+    @app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        try:
+            self._check_auth(request)
+        except HTTPError as e:
+            return err_response(e.status, e.message)
+        text = await self.engine.metrics_text.remote()
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,175 @@
+"""The OpenAI-compatible request bodies and the response/error shapes the ingress sends."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.sampling import SamplingParams
+
+MAX_PROMPT_CHARS = 1_000_000
+
+
+class _Common(BaseModel):
+    """Fields shared by completions and chat; unknown fields are refused (400)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    n: int = Field(default=1, description="only 1 is supported")
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**32 - 2)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repeat_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 16:
+            raise ValueError("at most 16 stop strings")
+        return v
+
+    def sampling(self, default_max_tokens: int, max_tokens: int | None = None) -> SamplingParams:
+        d: dict[str, Any] = {
+            "max_tokens": max_tokens or self.max_tokens or default_max_tokens,
+            "stop": self.stop,
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+        }
+        for k in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repeat_penalty",
+        ):
+            v = getattr(self, k)
+            if v is not None:
+                d[k] = v
+        if self.logit_bias:
+            bias: dict[int, float] = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    bias[int(k)] = v
+                except ValueError:
+                    raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+            d["logit_bias"] = bias
+        return SamplingParams(**d)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.logprobs:
+            raise ValueError("logprobs is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            if len(p) != 1:
+                raise ValueError("only one prompt per request is supported")
+            self.prompt = p[0]
+        if isinstance(self.prompt, str) and len(self.prompt) > MAX_PROMPT_CHARS:
+            raise ValueError(f"prompt longer than {MAX_PROMPT_CHARS} characters")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("the prompt is empty")
+        return self
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for p in self.content:
+            if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(p["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if self.logprobs:
+            raise ValueError("logprobs is not supported")
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ValueError("only response_format type 'text' is supported")
+        total = sum(len(m.text()) for m in self.messages)
+        if total > MAX_PROMPT_CHARS:
+            raise ValueError(f"messages longer than {MAX_PROMPT_CHARS} characters")
+        return self
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def error_body(message: str, type_: str, code: int | str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def now() -> int:
+    return int(time.time())

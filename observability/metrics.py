@@ -1,0 +1,147 @@
+"""Prometheus metrics of one engine replica.
+
+Each replica keeps its own registry; the ingress concatenates the replicas' expositions on
+``GET /metrics``. Every series carries ``model`` and ``replica``; per-group series carry
+``group``. Request figures are counted once, from the final output of each request, on the
+engine actor's event loop; per-group figures come from the profiler snapshots that each
+group publishes, so a group only ever counts its own slots.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from observability.profiler import PHASES
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                   40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+P = "pgroups_"
+
+
+class EngineMetrics:
+    def __init__(self, model: str, n_groups: int, replica: str = "0") -> None:
+        self.model = model
+        self.replica = replica
+        self.n_groups = n_groups
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        base = ["model", "replica"]
+        grp = [*base, "group"]
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time from arrival to the first generated token.", base, buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram(P + "time_per_output_token_seconds", "Mean time between generated tokens of a request.", base, buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Time from arrival to the last output of a request.", base, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(P + "request_queue_time_seconds", "Time a request waited for a slot.", base, buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests.", base, registry=r)
+        self.prompt_tokens_cached = Counter(P + "prompt_tokens_cached", "Prompt tokens reused from a slot's cache.", base, registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens.", base, registry=r)
+        self.prompt_seconds = Counter(P + "prompt_seconds", "Seconds from slot start to first token, summed over requests.", base, registry=r)
+        self.generation_seconds = Counter(P + "generation_seconds", "Seconds from first token to last, summed over requests.", base, registry=r)
+        self.requests = Counter(P + "requests", "Finished requests by finish reason.", [*base, "finished_reason"], registry=r)
+        self.rejected_total = Counter(P + "requests_rejected", "Requests refused because the wait queue was full (HTTP 429).", base, registry=r)
+        self.running = Gauge(P + "num_requests_running", "Requests holding a slot.", base, registry=r)
+        self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting for a slot.", base, registry=r)
+        self.stage_up = Gauge(P + "rpc_stage_up", "1 while the engine is connected to its RPC stage (or has none).", base, registry=r)
+        self._groups = _GroupCollector(model, replica)
+        r.register(self._groups)
+        self._t0 = time.monotonic()
+        b = self._b = {"model": model, "replica": replica}
+        for reason in FINISH_REASONS:
+            self.requests.labels(**b, finished_reason=reason)
+        for c in (self.prompt_tokens, self.generation_tokens, self.prompt_seconds,
+                  self.generation_seconds, self.rejected_total, self.prompt_tokens_cached):
+            c.labels(**b)
+
+    def observe(self, o: Any) -> None:
+        """Count one output; the request figures only on its final output."""
+        b = self._b
+        if o.n_tokens:
+            self.generation_tokens.labels(**b).inc(o.n_tokens)
+        if o.finish_reason is None:
+            return
+        self.requests.labels(**b, finished_reason=o.finish_reason).inc()
+        self.prompt_tokens.labels(**b).inc(o.prompt_tokens)
+        self.prompt_tokens_cached.labels(**b).inc(o.cached_tokens)
+        self.queue_time.labels(**b).observe(o.t_queue)
+        e2e = o.t_end
+        self.e2e.labels(**b).observe(e2e)
+        if o.t_first_token > 0:
+            self.ttft.labels(**b).observe(o.t_first_token)
+            self.prompt_seconds.labels(**b).inc(max(0.0, o.t_first_token - o.t_queue))
+            gen = max(0.0, e2e - o.t_first_token)
+            self.generation_seconds.labels(**b).inc(gen)
+            if o.completion_tokens > 1:
+                self.tpot.labels(**b).observe(gen / (o.completion_tokens - 1))
+
+    def rejected(self) -> None:
+        self.rejected_total.labels(**self._b).inc()
+
+    def set_stage_up(self, up: bool) -> None:
+        self.stage_up.labels(**self._b).set(1 if up else 0)
+
+    def collect_engine(self, engine: Any, running: int, waiting: int) -> None:
+        """Refresh the gauges from the engine's snapshots (at scrape time)."""
+        b = self._b
+        self.running.labels(**b).set(running)
+        self.waiting.labels(**b).set(waiting)
+        self._groups.update(engine.profiles(), engine.slot_views(), time.monotonic() - self._t0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _GroupCollector:
+    """Per-group series from the groups' published profiler snapshots."""
+
+    def __init__(self, model: str, replica: str) -> None:
+        self.model, self.replica = model, replica
+        self.snaps: list = []
+        self.busy: dict[int, tuple[int, int]] = {}
+        self.wall = 0.0
+
+    def update(self, snaps: list, views: list, wall: float) -> None:
+        busy: dict[int, tuple[int, int]] = {}
+        for v in views:
+            n_busy, n = busy.get(v.group, (0, 0))
+            busy[v.group] = (n_busy + (v.state != "idle"), n + 1)
+        self.snaps, self.busy, self.wall = list(snaps), busy, max(wall, 1e-9)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        lab = ["model", "replica", "group"]
+
+        def fam(kind, name, doc, extra=()):
+            return kind(P + name, doc, labels=[*lab, *extra])
+
+        slots_busy = fam(GaugeMetricFamily, "group_slots_busy", "Slots of the group holding a request.")
+        slots = fam(GaugeMetricFamily, "group_slots", "Slots of the group.")
+        kv = fam(GaugeMetricFamily, "group_kv_used_ratio", "KV cells in use over the cells of the group's context.")
+        steps = fam(CounterMetricFamily, "group_decode_steps", "Decode calls of the group.")
+        rows = fam(CounterMetricFamily, "group_sampled_rows", "Rows sampled by the group (generated tokens).")
+        toks = fam(CounterMetricFamily, "group_batch_tokens", "Tokens decoded by the group (prompt and generated).")
+        bps = fam(GaugeMetricFamily, "group_busy_slots_per_decode", "Mean busy slots per decode step since start.")
+        phase = fam(CounterMetricFamily, "group_phase_seconds", "Seconds the group's thread spent in each host-path phase.", ["phase"])
+        dev = fam(GaugeMetricFamily, "group_device_busy_ratio", "Fraction of wall time since start the group spent in decode and synchronise.")
+        for s in self.snaps:
+            v = [self.model, self.replica, str(s.group)]
+            n_busy, n = self.busy.get(s.group, (0, 0))
+            slots_busy.add_metric(v, n_busy)
+            slots.add_metric(v, n)
+            kv.add_metric(v, s.kv_used / max(s.kv_total, 1))
+            steps.add_metric(v, s.steps)
+            rows.add_metric(v, s.rows)
+            toks.add_metric(v, s.batch_tokens)
+            bps.add_metric(v, s.busy_slots_sum / max(s.steps, 1))
+            for ph in PHASES:
+                phase.add_metric([*v, ph], getattr(s, ph))
+            dev.add_metric(v, min(1.0, (s.decode + s.sync) / self.wall))
+        yield from (slots_busy, slots, kv, steps, rows, toks, bps, phase, dev)
