@@ -49,24 +49,34 @@ class RpcStage:
         self._stopping = False
         self._lock = threading.Lock()
         self.proc: subprocess.Popen | None = None
-        self._spawn()
+        self._spawned = threading.Event()
+        # PDEATHSIG fires when the spawning thread ends, so one long-lived thread spawns them all
         threading.Thread(target=self._supervise, daemon=True, name="rpc-stage-supervisor").start()
+        self._spawned.wait(30)
 
     def _spawn(self) -> None:
         with self._lock:
             # the server prints a line per connection; keep only its errors
-            self.proc = subprocess.Popen(self.cmd, env=dict(os.environ), stdout=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                self.cmd, env=dict(os.environ), stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent
+            )
             self.started_at = time.monotonic()
         log.info("rpc stage pid %d: %s", self.proc.pid, " ".join(self.cmd))
 
     def _supervise(self) -> None:
+        self._spawn()
+        self._spawned.set()
+        backoff = 0.2
         while not self._stopping:
             rc = self.proc.wait()
             if self._stopping:
                 return
-            log.warning("rpc server exited with %s; restarting", rc)
+            # a server that dies at once (port taken) is retried slower and slower
+            quick = time.monotonic() - self.started_at < 5.0
+            backoff = min(backoff * 2, 10.0) if quick else 0.2
+            log.warning("rpc server exited with %s; restarting in %.1f s", rc, backoff)
             self.restarts += 1
-            time.sleep(0.2)
+            time.sleep(backoff)
             self._spawn()
 
     def endpoint(self) -> str:
@@ -100,6 +110,16 @@ class RpcStage:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGKILL when the actor process exits, however it exits."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except OSError:
+        pass
 
 
 def _rss(pid: int) -> int:

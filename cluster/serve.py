@@ -16,6 +16,8 @@ from pathlib import Path
 
 from cluster import local_cluster
 
+GRACE_S = 40.0  # in-flight requests get the deployments' graceful shutdown time (30 s)
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -43,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         rc = proc.wait()
     finally:
         if proc.poll() is None:
-            proc.kill()
+            try:
+                proc.wait(GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         if started:
             subprocess.run([serve_bin, "shutdown", "-y"], env=env, check=False,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

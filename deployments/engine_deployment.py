@@ -62,9 +62,9 @@ class EngineDeployment:
             await asyncio.to_thread(wait_for_endpoint, ep, stage_wait_s)
         self.engine: Engine = await asyncio.to_thread(Engine, self.config, self._sink_from_thread)
         self.model_name = self.engine.model_name
-        self.metrics = EngineMetrics(self.model_name, self.config.pipeline_groups)
+        self._replica = _replica_tag()
+        self.metrics = EngineMetrics(self.model_name, self.config.pipeline_groups, self._replica)
         self.metrics.set_stage_up(True)
-        self._replica = serve.get_replica_context().replica_tag if _in_serve() else "local"
         log.info("engine replica %s serving %s", self._replica, self.model_name)
 
     # ---- outputs ----------------------------------------------------------------------------
@@ -189,9 +189,10 @@ class EngineDeployment:
             eng.close()
 
 
-def _in_serve() -> bool:
+def _replica_tag() -> str:
     try:
-        serve.get_replica_context()
-        return True
+        ctx = serve.get_replica_context()
     except Exception:
-        return False
+        return "local"
+    rid = getattr(ctx, "replica_id", None)
+    return str(getattr(rid, "unique_id", None) or getattr(ctx, "replica_tag", "0"))

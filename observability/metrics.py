@@ -12,10 +12,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from observability.profiler import PHASES
+
+prometheus_client.disable_created_metrics()
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -34,7 +37,6 @@ class EngineMetrics:
         self.n_groups = n_groups
         r = self.registry = CollectorRegistry(auto_describe=True)
         base = ["model", "replica"]
-        grp = [*base, "group"]
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time from arrival to the first generated token.", base, buckets=TTFT_BUCKETS, registry=r)
         self.tpot = Histogram(P + "time_per_output_token_seconds", "Mean time between generated tokens of a request.", base, buckets=TPOT_BUCKETS, registry=r)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Time from arrival to the last output of a request.", base, buckets=LATENCY_BUCKETS, registry=r)

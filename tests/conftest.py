@@ -1,0 +1,54 @@
+"""Shared fixtures: the synthetic model files and engines built from them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from engine import Engine, EngineConfig
+from engine.synthetic_model import ModelShape, write_model
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = REPO / "models" / "default.gguf"
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    if not DEFAULT_MODEL.exists():
+        write_model(DEFAULT_MODEL)
+    return str(DEFAULT_MODEL)
+
+
+@pytest.fixture
+def make_engine(model_path: str) -> Iterator[Callable[..., Engine]]:
+    engines: list[Engine] = []
+
+    def make(**kw: object) -> Engine:
+        kw.setdefault("model", model_path)
+        kw.setdefault("n_threads", 1)
+        e = Engine(EngineConfig(**kw))
+        engines.append(e)
+        return e
+
+    yield make
+    for e in engines:
+        e.close()
+
+
+@pytest.fixture(scope="session")
+def small_shape() -> ModelShape:
+    return ModelShape(n_layer=2, n_embd=64, n_head=2, n_head_kv=1, n_ff=128, n_vocab=1024, seed=7)
+
+
+@pytest.fixture(scope="session")
+def q8_model(tmp_path_factory: pytest.TempPathFactory, small_shape: ModelShape) -> str:
+    path = tmp_path_factory.mktemp("models") / "q8.gguf"
+    shape = ModelShape(**{**small_shape.__dict__, "ftype": "q8_0"})
+    return str(write_model(path, shape))
+
+
+def cpu_count() -> int:
+    return os.cpu_count() or 1
