@@ -158,6 +158,9 @@ class PipelineGroup:
     def _drain_after_death(self, outs: list[Output]) -> None:
         if outs:
             self.sink(outs)
+        # hand the slots back so that waiting requests come here and fail instead of hanging
+        for s in self.slots:
+            self.on_release(s.view(), True)
         while True:
             msg = self.inbox.get()
             if isinstance(msg, _StopMsg):
@@ -165,12 +168,20 @@ class PipelineGroup:
             if isinstance(msg, StartMsg):
                 r = msg.request
                 self.sink([Output(r.id, "", 0, "error", len(r.prompt_tokens), error=self.error)])
+                self.on_release(self._by_id[r.slot_id].view(), True)
             elif isinstance(msg, SlotOpMsg):
                 msg.reply.set_exception(RuntimeError(self.error))
 
     def _handle(self, msg: object) -> bool:
         if isinstance(msg, StartMsg):
-            self._begin(msg.request)
+            try:
+                self._begin(msg.request)
+            except Exception as e:  # this request cannot start; the group goes on
+                log.exception("group %d: request %s failed to start", self.index, msg.request.id)
+                s = self._by_id[msg.request.slot_id]
+                if s.req is None:
+                    s.req = msg.request
+                self.sink([self._finish(s, "error", "", error=f"request failed to start: {e}")])
         elif isinstance(msg, CancelMsg):
             for s in self.active:
                 if s.req is not None and s.req.id == msg.request_id:

@@ -146,7 +146,9 @@ class SamplerChain:
             add(
                 chain,
                 llama_cpp.llama_sampler_init_penalties(
-                    last_n, params.repeat_penalty, params.frequency_penalty, params.presence_penalty
+                    n_vocab,
+                    last_n,
+                    params.repeat_penalty, params.frequency_penalty, params.presence_penalty
                 ),
             )
         if params.temperature <= 0.0:
