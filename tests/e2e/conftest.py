@@ -1,0 +1,86 @@
+"""End-to-end fixtures: a two-node Ray cluster on this machine and the app deployed on it."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+HTTP_PORT = int(os.environ.get("PGROUPS_TEST_HTTP_PORT", "8765"))
+RAY_PORT = int(os.environ.get("PGROUPS_TEST_RAY_PORT", "6391"))
+BASE = f"http://127.0.0.1:{HTTP_PORT}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "/e2e/" in str(item.fspath):
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(model_path: str) -> Iterator[str]:
+    import ray
+    from ray import serve
+
+    from cluster import local_cluster
+
+    local_cluster.stop()
+    address = local_cluster.start(port=RAY_PORT, head_cpus=8, peer_cpus=2)
+    ray.init(address=address, namespace="pipeline-groups", log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
+    try:
+        yield address
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            local_cluster.stop()
+
+
+def wait_healthy(timeout_s: float = 180.0) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            if httpx.get(BASE + "/health", timeout=5).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError("the service did not become healthy")
+
+
+@pytest.fixture(scope="session")
+def deploy(ray_cluster: str) -> Callable[[dict], str]:
+    """Deploy ``build_app(args)`` as the one application; returns the base URL."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    current: dict = {}
+
+    def _deploy(args: dict) -> str:
+        if current.get("args") != args:
+            serve.run(build_app(args), name="pgroups", route_prefix="/")
+            current["args"] = dict(args)
+        wait_healthy()
+        return BASE
+
+    return _deploy
+
+
+def stop_stage() -> None:
+    """Remove the RPC stage actor so the next deploy starts one with its own settings."""
+    import ray
+
+    from cluster.rpc_stage import get_stage
+
+    try:
+        stage = get_stage()
+    except ValueError:
+        return
+    ray.get(stage.stop.remote())
+    ray.kill(stage)

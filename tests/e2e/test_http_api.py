@@ -1,0 +1,146 @@
+"""The OpenAI API through Ray Serve over HTTP, with the model split over the RPC stage."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+APP = {
+    "n_ctx": 2048,
+    "n_parallel": 4,
+    "pipeline_groups": 2,
+    "n_threads": 1,
+    "max_queued_requests": 64,
+    "rpc": {"port": 50152, "threads": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def base(deploy) -> str:
+    return deploy(APP)
+
+
+@pytest.fixture(scope="module")
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_health_models_and_slots(base, client):
+    assert httpx.get(base + "/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == ["default.gguf"]
+    slots = httpx.get(base + "/slots").json()
+    assert [s["group"] for s in slots] == [0, 0, 1, 1]
+    assert [s["seq_id"] for s in slots] == [0, 1, 0, 1]
+
+
+def test_completion(client):
+    r = client.completions.create(model="default.gguf", prompt="hello world", max_tokens=8, temperature=0)
+    assert r.object == "text_completion"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 0 and 1 <= r.usage.completion_tokens <= 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    again = client.completions.create(model="default.gguf", prompt="hello world", max_tokens=8, temperature=0)
+    assert again.choices[0].text == r.choices[0].text
+
+
+def test_streamed_completion_equals_non_streamed(client):
+    kw = {"model": "default.gguf", "prompt": "tell me a story", "max_tokens": 16, "temperature": 0}
+    full = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == full
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_streamed_and_not(client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    r = client.chat.completions.create(model="default.gguf", messages=msgs, max_tokens=10, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    text = r.choices[0].message.content
+    stream = client.chat.completions.create(
+        model="default.gguf", messages=msgs, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_sse_wire_format_ends_with_done(base):
+    with httpx.stream(
+        "POST", base + "/v1/completions",
+        json={"prompt": "hello", "max_tokens": 4, "stream": True, "temperature": 0},
+        timeout=60,
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    for e in events[:-1]:
+        json.loads(e[6:])
+
+
+BAD = [
+    ("malformed json", b"{not json", 400),
+    ("invalid utf-8", b'{"prompt": "\xff\xfe"}', 400),
+    ("not an object", b"[1, 2]", 400),
+    ("missing prompt", {"max_tokens": 4}, 400),
+    ("negative max_tokens", {"prompt": "hi", "max_tokens": -1}, 400),
+    ("temperature out of range", {"prompt": "hi", "temperature": 5}, 400),
+    ("wrong type", {"prompt": "hi", "max_tokens": "many"}, 400),
+    ("n other than 1", {"prompt": "hi", "n": 2}, 400),
+    ("unknown field", {"prompt": "hi", "frobnicate": True}, 400),
+    ("logit_bias out of range", {"prompt": "hi", "logit_bias": {"5": 500}}, 400),
+    ("logit_bias bad key", {"prompt": "hi", "logit_bias": {"x": 1}}, 400),
+    ("huge max_tokens", {"prompt": "hi", "max_tokens": 10**12}, 400),
+    ("prompt longer than the slot", {"prompt": "hello " * 3000, "max_tokens": 4}, 400),
+    ("token ids out of range", {"prompt": [1, 2, 99999999]}, 400),
+    ("unknown model", {"prompt": "hi", "model": "gpt-17"}, 404),
+]
+
+
+@pytest.mark.parametrize("name, body, status", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_a_clear_4xx_and_the_server_keeps_serving(base, name, body, status):
+    if isinstance(body, bytes):
+        r = httpx.post(base + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(base + "/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    ok = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_chat_bad_input(base):
+    for body in ({"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]}, {"messages": "hi"}):
+        r = httpx.post(base + "/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+
+
+def test_oversized_body_is_413(base):
+    r = httpx.post(base + "/v1/completions", content=b'{"prompt": "' + b"a" * (9 * 1024 * 1024) + b'"}',
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413
+
+
+def test_dropped_streams_free_their_slots(base):
+    for _ in range(10):
+        with httpx.stream("POST", base + "/v1/completions",
+                          json={"prompt": "hello", "max_tokens": 500, "ignore_eos": True, "stream": True},
+                          timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # leave mid-stream
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        slots = httpx.get(base + "/slots").json()
+        if all(not s["is_processing"] for s in slots):
+            break
+        time.sleep(0.2)
+    assert all(not s["is_processing"] for s in slots), slots
+    assert httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
