@@ -60,10 +60,10 @@ bench: install model
 	$(PY) -m bench.run $(BENCH_ARGS)
 
 cluster-up:
-	ray up -y cluster/two-sparks.yaml
+	$(VENV)/bin/ray up -y cluster/two-sparks.yaml
 
 cluster-down:
-	ray down -y cluster/two-sparks.yaml
+	$(VENV)/bin/ray down -y cluster/two-sparks.yaml
 
 clean:
 	rm -rf $(VENV) models build *.egg-info

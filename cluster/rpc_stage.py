@@ -37,6 +37,7 @@ def port_open(host: str, port: int, timeout: float = 1.0) -> bool:
 class RpcStage:
     def __init__(self, host: str, port: int, threads: int, devices: list[str] | None, cache_dir: str | None):
         self.host, self.port = host, port
+        self.threads = threads or (os.cpu_count() or 1)
         self.cmd = [sys.executable, "-m", "cluster.rpc_server", "--host", host, "--port", str(port)]
         if threads:
             self.cmd += ["--threads", str(threads)]
@@ -98,6 +99,7 @@ class RpcStage:
             "pid": self.proc.pid if self.proc else None,
             "restarts": self.restarts,
             "endpoint": self.endpoint(),
+            "threads": self.threads,
             "rss_bytes": _rss(self.proc.pid) if alive else 0,
             "cpu_seconds": _cpu_seconds(self.proc.pid) if alive else 0.0,
         }

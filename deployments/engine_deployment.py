@@ -65,6 +65,7 @@ class EngineDeployment:
         self._replica = _replica_tag()
         self.metrics = EngineMetrics(self.model_name, self.config.pipeline_groups, self._replica)
         self.metrics.set_stage_up(True)
+        self._last_busy: tuple[float, float, float | None] | None = None
         log.info("engine replica %s serving %s", self._replica, self.model_name)
 
     # ---- outputs ----------------------------------------------------------------------------
@@ -177,7 +178,33 @@ class EngineDeployment:
     async def metrics_text(self) -> bytes:
         running, waiting = self.engine.scheduler.counts()
         self.metrics.collect_engine(self.engine, running, waiting)
+        await self._collect_stages()
         return self.metrics.render()
+
+    async def _collect_stages(self) -> None:
+        """Stage busy since the last scrape: CPU seconds over wall seconds and threads."""
+        now = time.monotonic()
+        local_cpu = sum(p.decode_cpu for p in self.engine.profiles())
+        peer = await self._stage_health()
+        last = self._last_busy
+        if peer is not None:
+            self.metrics.set_stage_up(bool(peer["accepting"]))
+        if last is not None:
+            dt = max(now - last[0], 1e-9)
+            self.metrics.set_stage_busy("local", (local_cpu - last[1]) / dt / self.config.local_threads())
+            if peer is not None and last[2] is not None:
+                self.metrics.set_stage_busy("peer", (peer["cpu_seconds"] - last[2]) / dt / peer["threads"])
+        self._last_busy = (now, local_cpu, peer["cpu_seconds"] if peer else None)
+
+    async def _stage_health(self) -> dict | None:
+        if not self.config.rpc_endpoints:
+            return None
+        try:
+            from cluster.rpc_stage import get_stage
+
+            return await asyncio.wait_for(get_stage().health.remote(), timeout=2.0)
+        except Exception:
+            return {"accepting": False, "cpu_seconds": 0.0, "threads": 1}
 
     def check_health(self) -> None:
         if not self.engine.healthy:

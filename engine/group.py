@@ -253,6 +253,7 @@ class PipelineGroup:
         n_tokens = b.n_tokens
         t1 = time.perf_counter()
         prof.add("batch", t1 - t0)
+        c1 = time.thread_time()
         try:
             self.ctx.decode(b)
         except NativeError as e:
@@ -260,6 +261,8 @@ class PipelineGroup:
             return
         t2 = time.perf_counter()
         prof.add("decode", t2 - t1)
+        # CPU time of this thread in decode: the local stage's compute when it runs on the CPU
+        prof.add("decode_cpu", time.thread_time() - c1)
         logits = self.ctx.logits(len(rows), self.n_vocab) if rows else None
         t3 = time.perf_counter()
         prof.add("sync", t3 - t2)

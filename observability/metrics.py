@@ -50,6 +50,7 @@ class EngineMetrics:
         self.rejected_total = Counter(P + "requests_rejected", "Requests refused because the wait queue was full (HTTP 429).", base, registry=r)
         self.running = Gauge(P + "num_requests_running", "Requests holding a slot.", base, registry=r)
         self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting for a slot.", base, registry=r)
+        self.stage_busy = Gauge(P + "stage_busy_ratio", "Fraction of the stage's compute capacity in use since the last scrape (CPU time over wall time and threads).", [*base, "stage"], registry=r)
         self.stage_up = Gauge(P + "rpc_stage_up", "1 while the engine is connected to its RPC stage (or has none).", base, registry=r)
         self._groups = _GroupCollector(model, replica)
         r.register(self._groups)
@@ -84,6 +85,9 @@ class EngineMetrics:
 
     def rejected(self) -> None:
         self.rejected_total.labels(**self._b).inc()
+
+    def set_stage_busy(self, stage: str, ratio: float) -> None:
+        self.stage_busy.labels(**self._b, stage=stage).set(max(0.0, min(1.0, ratio)))
 
     def set_stage_up(self, up: bool) -> None:
         self.stage_up.labels(**self._b).set(1 if up else 0)

@@ -33,6 +33,7 @@ class ProfileSnapshot:
     detok: float = 0.0
     stop: float = 0.0
     send: float = 0.0
+    decode_cpu: float = 0.0  # CPU seconds of the group thread inside llama_decode
 
     def minus(self, other: ProfileSnapshot) -> ProfileSnapshot:
         vals = {f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)}
@@ -62,7 +63,7 @@ class GroupProfiler:
     ) -> None:
         self.group = group
         self.kv_total = kv_total
-        self._acc = dict.fromkeys(PHASES, 0.0)
+        self._acc = dict.fromkeys((*PHASES, "decode_cpu"), 0.0)
         self._steps = self._rows = self._tokens = self._busy = 0
         self.snapshot = ProfileSnapshot(group=group, kv_total=kv_total)
         self._log_every = log_every_s
