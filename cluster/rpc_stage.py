@@ -33,6 +33,25 @@ def port_open(host: str, port: int, timeout: float = 1.0) -> bool:
         return False
 
 
+def port_listening(port: int) -> bool:
+    """Whether a socket of this machine listens on ``port``, read from /proc without connecting.
+
+    The ggml RPC server serves one client at a time; probe connections would queue behind
+    the engine's and fill its accept backlog, so readiness is read from the kernel instead.
+    """
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    if parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
+                        return True
+        except (OSError, StopIteration):
+            continue
+    return False
+
+
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class RpcStage:
     def __init__(self, host: str, port: int, threads: int, devices: list[str] | None, cache_dir: str | None):
@@ -85,7 +104,7 @@ class RpcStage:
 
     def ready(self, timeout_s: float = 60.0) -> str:
         deadline = time.monotonic() + timeout_s
-        while not port_open(self.host, self.port):
+        while not (self.proc.poll() is None and port_listening(self.port)):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"RPC stage {self.endpoint()} did not start in {timeout_s} s")
             time.sleep(0.1)
@@ -95,7 +114,7 @@ class RpcStage:
         alive = self.proc is not None and self.proc.poll() is None
         return {
             "alive": alive,
-            "accepting": alive and port_open(self.host, self.port, 0.5),
+            "accepting": alive and port_listening(self.port),
             "pid": self.proc.pid if self.proc else None,
             "restarts": self.restarts,
             "endpoint": self.endpoint(),

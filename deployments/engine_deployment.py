@@ -59,7 +59,7 @@ class EngineDeployment:
         self._owner: dict[str, str] = {}  # request id -> ingress id
         self._queues: dict[str, asyncio.Queue] = defaultdict(asyncio.Queue)
         for ep in self.config.rpc_endpoints:
-            await asyncio.to_thread(wait_for_endpoint, ep, stage_wait_s)
+            await self._wait_for_stage(ep, stage_wait_s)
         self.engine: Engine = await asyncio.to_thread(Engine, self.config, self._sink_from_thread)
         self.model_name = self.engine.model_name
         self._replica = _replica_tag()
@@ -67,6 +67,18 @@ class EngineDeployment:
         self.metrics.set_stage_up(True)
         self._last_busy: tuple[float, float, float | None] | None = None
         log.info("engine replica %s serving %s", self._replica, self.model_name)
+
+    async def _wait_for_stage(self, endpoint: str, timeout_s: float) -> None:
+        """Wait until the stage listens; ask its actor rather than connect to the server."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            health = await self._stage_health()
+            if health is None or health.get("missing"):
+                break  # no stage actor (an external RPC server): probe the port
+            if health["accepting"] and health["endpoint"] == endpoint:
+                return
+            await asyncio.sleep(0.2)
+        await asyncio.to_thread(wait_for_endpoint, endpoint, max(1.0, deadline - time.monotonic()))
 
     # ---- outputs ----------------------------------------------------------------------------
 
@@ -199,12 +211,16 @@ class EngineDeployment:
     async def _stage_health(self) -> dict | None:
         if not self.config.rpc_endpoints:
             return None
-        try:
-            from cluster.rpc_stage import get_stage
+        from cluster.rpc_stage import get_stage
 
-            return await asyncio.wait_for(get_stage().health.remote(), timeout=2.0)
+        try:
+            stage = get_stage()
+        except ValueError:
+            return {"missing": True, "accepting": False, "cpu_seconds": 0.0, "threads": 1}
+        try:
+            return await asyncio.wait_for(stage.health.remote(), timeout=2.0)
         except Exception:
-            return {"accepting": False, "cpu_seconds": 0.0, "threads": 1}
+            return {"accepting": False, "cpu_seconds": 0.0, "threads": 1, "endpoint": ""}
 
     def check_health(self) -> None:
         if not self.engine.healthy:

@@ -28,6 +28,32 @@ log = logging.getLogger(__name__)
 
 app = FastAPI(title="pipeline-groups OpenAI-compatible API", version="0.1.0")
 
+_REF = "#/components/schemas/{model}"
+_BODY_MODELS = {"CompletionRequest": CompletionRequest, "ChatCompletionRequest": ChatCompletionRequest}
+
+
+def _body(name: str) -> dict:
+    """The route reads the raw body itself (to answer bad JSON with 400), so declare it here."""
+    ref = {"$ref": _REF.format(model=name)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _openapi() -> dict:
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        comps = spec.setdefault("components", {}).setdefault("schemas", {})
+        for name, model in _BODY_MODELS.items():
+            schema = model.model_json_schema(ref_template=_REF)
+            comps.update(schema.pop("$defs", {}))
+            comps[name] = schema
+        app.openapi_schema = spec
+    return app.openapi_schema
+
+
+app.openapi = _openapi  # type: ignore[method-assign]
+
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -278,11 +304,11 @@ class Ingress:
 
     # ---- routes ------------------------------------------------------------------------------
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"))
     async def completions(self, request: Request) -> Response:
         return await self._submit(request, "completion")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body("ChatCompletionRequest"))
     async def chat_completions(self, request: Request) -> Response:
         return await self._submit(request, "chat")
 

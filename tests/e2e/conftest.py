@@ -64,6 +64,9 @@ def deploy(ray_cluster: str) -> Callable[[dict], str]:
 
     def _deploy(args: dict) -> str:
         if current.get("args") != args:
+            if current:
+                # the RPC stage serves one engine at a time: the old one must let go first
+                serve.delete("pgroups")
             serve.run(build_app(args), name="pgroups", route_prefix="/")
             current["args"] = dict(args)
         wait_healthy()
