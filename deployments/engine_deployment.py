@@ -199,8 +199,10 @@ class EngineDeployment:
         local_cpu = sum(p.decode_cpu for p in self.engine.profiles())
         peer = await self._stage_health()
         last = self._last_busy
+        self.metrics.set_stage_rss("local", _self_rss())
         if peer is not None:
             self.metrics.set_stage_up(bool(peer["accepting"]))
+            self.metrics.set_stage_rss("peer", int(peer.get("rss_bytes", 0)))
         if last is not None:
             dt = max(now - last[0], 1e-9)
             self.metrics.set_stage_busy("local", (local_cpu - last[1]) / dt / self.config.local_threads())
@@ -230,6 +232,16 @@ class EngineDeployment:
         eng = getattr(self, "engine", None)
         if eng is not None:
             eng.close()
+
+
+def _self_rss() -> int:
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 def _replica_tag() -> str:

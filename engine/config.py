@@ -93,9 +93,10 @@ class EngineConfig(BaseModel):
             )
         if self.n_ctx // p < 8:
             raise ValueError(f"n_ctx ({self.n_ctx}) leaves under 8 tokens per slot over {p} slots")
-        if self.backend_sampling and n > 1:
+        if self.backend_sampling:
             raise ValueError(
-                "backend_sampling is not supported with pipeline_groups > 1 yet: set one of them back"
+                "backend_sampling is not supported yet: the engine samples on the host from the "
+                "logits it reads once per step; remove backend_sampling"
             )
         if self.tensor_split is not None and any(x < 0 for x in self.tensor_split):
             raise ValueError("tensor_split entries must be >= 0")

@@ -52,6 +52,7 @@ class EngineMetrics:
         self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting for a slot.", base, registry=r)
         self.stage_busy = Gauge(P + "stage_busy_ratio", "Fraction of the stage's compute capacity in use since the last scrape (CPU time over wall time and threads).", [*base, "stage"], registry=r)
         self.stage_up = Gauge(P + "rpc_stage_up", "1 while the engine is connected to its RPC stage (or has none).", base, registry=r)
+        self.stage_rss = Gauge(P + "stage_resident_memory_bytes", "Resident memory of a stage's process (engine or RPC server).", [*base, "stage"], registry=r)
         self._groups = _GroupCollector(model, replica)
         r.register(self._groups)
         self._t0 = time.monotonic()
@@ -88,6 +89,9 @@ class EngineMetrics:
 
     def set_stage_busy(self, stage: str, ratio: float) -> None:
         self.stage_busy.labels(**self._b, stage=stage).set(max(0.0, min(1.0, ratio)))
+
+    def set_stage_rss(self, stage: str, rss: int) -> None:
+        self.stage_rss.labels(**self._b, stage=stage).set(rss)
 
     def set_stage_up(self, up: bool) -> None:
         self.stage_up.labels(**self._b).set(1 if up else 0)

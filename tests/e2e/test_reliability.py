@@ -146,7 +146,7 @@ def test_fuzz_openai_endpoints_no_5xx(base):
             n_cases += 1
             resp = case.call(headers=H, timeout=60)
             if resp.status_code >= 500:
-                failures.append((path, case.body, resp.status_code, resp.text[:200]))
+                failures.append((case.path, case.body, resp.status_code, resp.text[:200]))
 
         from hypothesis import given
 

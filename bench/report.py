@@ -1,0 +1,92 @@
+"""The benchmark's outputs: ``latest.json``, a markdown table with the target ratios, a PNG plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+KEYS = ("order", "groups", "sampling_pool", "backend_sampling", "slots", "clients", "path", "tok_s",
+        "tpot_ms", "ttft_median_s", "busy_local", "busy_peer", "errors", "rss_engine_mb", "rss_peer_mb")
+
+
+def _find(results: list[dict], **kw: object) -> dict | None:
+    for r in results:
+        if all(r.get(k) == v for k, v in kw.items()):
+            return r
+    return None
+
+
+def ratios(results: list[dict], clients: int) -> list[tuple[str, str, str]]:
+    """(what, measured, target) for the targets the issue sets."""
+    out = []
+    base = {"order": "rpc-first", "sampling_pool": True, "slots": clients}
+    h1, h2 = _find(results, path="http", groups=1, **base), _find(results, path="http", groups=2, **base)
+    e2 = _find(results, path="engine", groups=2, **base)
+    if h1 and h2:
+        out.append(("groups 2 / groups 1, RPC first, HTTP", f"{h2['tok_s'] / h1['tok_s']:.2f}x", ">= 1.6x"))
+        out.append(("peer stage busy, groups 2, HTTP", f"{h2['busy_peer']:.2f}", ">= 0.85"))
+    if h2 and e2:
+        out.append(("HTTP / engine path, groups 2", f"{h2['tok_s'] / e2['tok_s']:.2f}x", ">= 0.9x"))
+    if e2 and e2.get("host_frac") is not None:
+        out.append(("host path share of a step, groups 2, engine", f"{100 * e2['host_frac']:.1f} %", "< 10 %"))
+    big = [r for r in results if r.get("slots") == 256]
+    if big:
+        out.append(("256 slots: requests in error", ", ".join(f"g{r['groups']}: {r['errors']}" for r in big), "0"))
+    return out
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    cols = ["path", "order", "groups", "sampling_pool", "slots", "tok_s", "tpot_ms", "ttft_median_s",
+            "busy_local", "busy_peer", "errors", "rss_engine_mb", "rss_peer_mb", "rows_per_step", "host_frac"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in results:
+        lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
+    lines += ["", "| target | measured | wanted |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in ratios(results, meta.get("clients", 32))]
+    bal = meta.get("balance")
+    if bal:
+        lines += ["", f"Balance helper: {json.dumps(bal)}"]
+    lines += ["", f"Machine: {meta['machine']}; model {meta['model']}; prompt {meta['n_prompt']} / "
+              f"generate {meta['n_gen']} tokens; `{meta['command']}` took {meta['wall_s']} s."]
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    cells = [r for r in results if r["slots"] == r["clients"] and r.get("clients") == min(x["clients"] for x in results)]
+    labels = [f"{r['path']}\n{r['order']}\ng{r['groups']} {'pool' if r['sampling_pool'] else 'serial'}" for r in cells]
+    ax1.bar(range(len(cells)), [r["tok_s"] for r in cells],
+            color=["tab:blue" if r["groups"] == 1 else "tab:orange" for r in cells])
+    ax1.set_xticks(range(len(cells)), labels, fontsize=6)
+    ax1.set_ylabel("generated tokens/s")
+    ax1.set_title("groups 1 (blue) vs 2 (orange)")
+    for g, color in ((1, "tab:blue"), (2, "tab:orange")):
+        pts = sorted((r["slots"], r["tok_s"]) for r in results
+                     if r["path"] == "http" and r["groups"] == g and r["order"] == "rpc-first" and r["sampling_pool"])
+        if pts:
+            ax2.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=f"groups {g}")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("slots (= concurrent clients)")
+    ax2.set_ylabel("generated tokens/s")
+    ax2.set_title("slot sweep, RPC first, HTTP")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_reports(results: list[dict], meta: dict, out: Path) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {**meta, "clients": min((r["clients"] for r in results), default=32)}
+    cells = [{k: r.get(k) for k in KEYS} | {k: v for k, v in r.items() if k not in KEYS} for r in results]
+    (out / "latest.json").write_text(json.dumps(cells, indent=1))
+    (out / "latest-meta.json").write_text(json.dumps(meta, indent=1))
+    table = markdown(results, meta)
+    (out / "latest.md").write_text(table + "\n")
+    plot(results, out / "latest.png")
+    return table

@@ -1,0 +1,343 @@
+"""``make bench``: the seed's sweep on this machine, through HTTP and straight on the engine.
+
+The reference split on a CPU box: the peer stage is an RPC server process with one thread
+on loopback, the local stage is the CPU device with one thread, the engine's own threads
+get what is left. Each cell runs twice, the second pass in reversed arm order, and keeps
+the better run (these machines are noisy). Writes ``bench/results/latest.json``, a
+markdown table and a PNG plot, and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.clients import LoadResult, make_prompts, run_engine, run_http
+from bench.report import write_reports
+from cluster.rpc_stage import _cpu_seconds, _rss, port_listening
+from engine import Engine, EngineConfig
+from engine.synthetic_model import ModelShape, write_model
+
+log = logging.getLogger("bench")
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+ENGINE_RPC_PORT = 50171
+HTTP_RPC_PORT = 50172
+HTTP_PORT = 8766
+
+
+@dataclass(frozen=True)
+class Setup:
+    shape: ModelShape
+    n_prompt: int
+    n_gen: int
+    clients: int
+    requests_per_client: int
+    tensor_split: tuple[float, float] | None
+
+    @property
+    def model(self) -> Path:
+        s = self.shape
+        return ROOT / "models" / f"bench-{s.n_layer}L-{s.n_embd}d-{s.n_vocab}v-{s.ftype}.gguf"
+
+    def n_ctx(self, slots: int) -> int:
+        return slots * (self.n_prompt + self.n_gen + 16)
+
+
+FULL = Setup(ModelShape(n_layer=8, n_embd=1024, n_head=16, n_head_kv=4, n_ff=2048, n_vocab=151936,
+                        ftype="q8_0", seed=11), n_prompt=32, n_gen=32, clients=32, requests_per_client=2,
+             tensor_split=None)
+QUICK = Setup(ModelShape(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=32000, seed=11),
+              n_prompt=16, n_gen=16, clients=8, requests_per_client=2, tensor_split=None)
+
+
+def devices(order: str) -> list[str]:
+    return ["RPC0", "CPU"] if order == "rpc-first" else ["CPU", "RPC0"]
+
+
+def self_rss() -> int:
+    return _rss(os.getpid())
+
+
+# ---- the engine path ---------------------------------------------------------------------------
+
+
+class RpcServer:
+    """The peer stage for the engine path: a server process with one thread."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cluster.rpc_server", "--host", "127.0.0.1", "--port", str(port), "--threads", "1"],
+            stdout=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 60
+        while not port_listening(port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the RPC server did not start")
+            time.sleep(0.1)
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def cpu(self) -> float:
+        return _cpu_seconds(self.proc.pid)
+
+    def rss(self) -> int:
+        return _rss(self.proc.pid)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def engine_cell(setup: Setup, server: RpcServer, order: str, groups: int, pool: bool, slots: int,
+                clients: int, tensor_split: list[float] | None = None) -> dict:
+    cfg = EngineConfig(
+        model=str(setup.model), n_ctx=setup.n_ctx(slots), n_parallel=slots, pipeline_groups=groups,
+        n_threads=1, rpc_endpoints=[server.endpoint], devices=devices(order),
+        sample_threads=4 if pool else 1, n_batch=max(512, slots), tensor_split=tensor_split,
+        max_queued_requests=4096,
+    )
+    rss0 = self_rss()
+    e = Engine(cfg)
+    try:
+        prompts = make_prompts(clients * setup.requests_per_client, setup.n_prompt)
+        run_engine(e, make_prompts(groups, 4, seed=99), groups, 2)  # warm-up
+        p0, c0 = e.profiles(), server.cpu()
+        res = run_engine(e, prompts, clients, setup.n_gen)
+        p1, c1 = e.profiles(), server.cpu()
+        out = res.figures()
+        out.update(_profile_figures(p0, p1, res))
+        out["busy_peer"] = round((c1 - c0) / res.wall_s, 3)
+        out["rss_engine_mb"] = round((self_rss() - rss0) / 2**20, 1)
+        out["rss_peer_mb"] = round(server.rss() / 2**20, 1)
+        return out
+    finally:
+        e.close()
+
+
+def _profile_figures(p0: list, p1: list, res: LoadResult) -> dict:
+    d = [b.minus(a) for a, b in zip(p0, p1, strict=True)]
+    steps = sum(x.steps for x in d) or 1
+    host = sum(x.batch + x.sample + x.detok + x.stop + x.send for x in d)
+    step_total = host + sum(x.decode + x.sync for x in d)
+    return {
+        "busy_local": round(sum(x.decode_cpu for x in d) / res.wall_s, 3),
+        "rows_per_step": round(sum(x.rows for x in d) / steps, 1),
+        "host_frac": round(host / step_total, 3) if step_total else None,
+        "sample_ms_per_token": round(1000 * sum(x.sample for x in d) / max(sum(x.rows for x in d), 1), 3),
+    }
+
+
+# ---- the HTTP path -----------------------------------------------------------------------------
+
+
+class HttpStack:
+    """The local two-node Ray cluster with Serve on a bench port."""
+
+    def __init__(self) -> None:
+        import ray
+        from ray import serve
+
+        from cluster import local_cluster
+
+        self.local_cluster = local_cluster
+        local_cluster.stop()
+        address = local_cluster.start(port=6392, head_cpus=8, peer_cpus=2)
+        ray.init(address=address, namespace="pipeline-groups", log_to_driver=False, logging_level=logging.WARNING)
+        serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
+        self.base = f"http://127.0.0.1:{HTTP_PORT}"
+        self.deployed = False
+
+    def deploy(self, args: dict) -> None:
+        import httpx
+        from ray import serve
+
+        from deployments.app import build_app
+
+        if self.deployed:
+            serve.delete("bench")  # the stage serves one engine at a time
+        serve.run(build_app(args), name="bench", route_prefix="/")
+        self.deployed = True
+        deadline = time.monotonic() + 300
+        while httpx.get(self.base + "/health", timeout=10).status_code != 200:
+            if time.monotonic() > deadline:
+                raise TimeoutError("bench app not healthy")
+            time.sleep(0.5)
+
+    def scrape(self) -> dict[tuple[str, str], float]:
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out: dict[tuple[str, str], float] = {}
+        for fam in text_string_to_metric_families(httpx.get(self.base + "/metrics", timeout=30).text):
+            for s in fam.samples:
+                key = (s.name, s.labels.get("stage") or s.labels.get("group") or s.labels.get("phase") or "")
+                out[key] = out.get(key, 0.0) + s.value
+        return out
+
+    def close(self) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            self.local_cluster.stop()
+
+
+def http_cell(setup: Setup, stack: HttpStack, order: str, groups: int, pool: bool, slots: int,
+              clients: int, tensor_split: list[float] | None = None) -> dict:
+    stack.deploy({
+        "model": str(setup.model), "n_ctx": setup.n_ctx(slots), "n_parallel": slots,
+        "pipeline_groups": groups, "n_threads": 1, "devices": devices(order),
+        "sample_threads": 4 if pool else 1, "n_batch": max(512, slots), "tensor_split": tensor_split,
+        "max_queued_requests": 4096, "rpc": {"port": HTTP_RPC_PORT, "threads": 1},
+    })
+    run_http(stack.base, make_prompts(groups, 4, seed=99), groups, 2)  # warm-up
+    stack.scrape()  # opens the busy window
+    res = run_http(stack.base, make_prompts(clients * setup.requests_per_client, setup.n_prompt), clients,
+                   setup.n_gen)
+    m = stack.scrape()
+    out = res.figures()
+    out["busy_local"] = round(m.get(("pgroups_stage_busy_ratio", "local"), 0.0), 3)
+    out["busy_peer"] = round(m.get(("pgroups_stage_busy_ratio", "peer"), 0.0), 3)
+    out["rss_engine_mb"] = round(m.get(("pgroups_stage_resident_memory_bytes", "local"), 0.0) / 2**20, 1)
+    out["rss_peer_mb"] = round(m.get(("pgroups_stage_resident_memory_bytes", "peer"), 0.0) / 2**20, 1)
+    steps = sum(v for (n, _), v in m.items() if n == "pgroups_group_decode_steps_total") or 1
+    rows = sum(v for (n, _), v in m.items() if n == "pgroups_group_sampled_rows_total")
+    out["rows_per_step"] = round(rows / steps, 1)
+    return out
+
+
+# ---- the sweep ---------------------------------------------------------------------------------
+
+
+def best_of(runs: list[dict]) -> dict:
+    return max(runs, key=lambda r: (r.get("errors", 1) == 0, r.get("tok_s", 0.0)))
+
+
+def sweep(cells: list[dict], run_one, repeats: int) -> list[dict]:
+    """Each cell ``repeats`` times; odd passes in reversed order; keeps the best run."""
+    runs: dict[int, list[dict]] = {i: [] for i in range(len(cells))}
+    for rep in range(repeats):
+        order = list(range(len(cells)))
+        if rep % 2:
+            order.reverse()
+        for i in order:
+            c = cells[i]
+            t0 = time.monotonic()
+            r = run_one(**{k: v for k, v in c.items() if k not in ("path", "backend_sampling", "sampling_pool")},
+                        pool=c["sampling_pool"])
+            log.warning("%s %s: %s (%.0f s)", c["path"], {k: c[k] for k in ("order", "groups", "sampling_pool", "slots")},
+                        r, time.monotonic() - t0)
+            runs[i].append(r)
+    return [{**cells[i], **best_of(runs[i]), "runs": [r["tok_s"] for r in runs[i]]} for i in range(len(cells))]
+
+
+def balance(setup: Setup, server: RpcServer) -> dict:
+    """Measure each stage's time per step with one group and propose the tensor_split that equalises them."""
+    n_layer = setup.shape.n_layer
+    half = [n_layer / 2, n_layer / 2]
+    cfg = EngineConfig(model=str(setup.model), n_ctx=setup.n_ctx(setup.clients), n_parallel=setup.clients,
+                       n_threads=1, rpc_endpoints=[server.endpoint], devices=devices("rpc-first"),
+                       tensor_split=half, sample_threads=1, n_batch=max(512, setup.clients))
+    e = Engine(cfg)
+    try:
+        prompts = make_prompts(setup.clients, setup.n_prompt)
+        p0, c0 = e.profiles(), server.cpu()
+        run_engine(e, prompts, setup.clients, setup.n_gen)
+        p1, c1 = e.profiles(), server.cpu()
+    finally:
+        e.close()
+    d = p1[0].minus(p0[0])
+    peer_per_step = (c1 - c0) / d.steps
+    local_per_step = d.decode_cpu / d.steps
+    per_layer = peer_per_step / half[0]
+    fixed_local = local_per_step - per_layer * half[1]  # output layer and the rest that cannot move
+    n_peer = round(min(n_layer - 1, max(1, (n_layer + fixed_local / per_layer) / 2)))
+    return {
+        "measured_split": half,
+        "peer_ms_per_step": round(1000 * peer_per_step, 2),
+        "local_ms_per_step": round(1000 * local_per_step, 2),
+        "proposed_split": [n_peer, n_layer - n_peer],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a small model and few requests (a smoke run)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--skip-http", action="store_true")
+    ap.add_argument("--slots", default="32,64,128,256", help="slot sweep (HTTP path)")
+    ap.add_argument("--out", default=str(RESULTS))
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    setup = QUICK if a.quick else FULL
+    if not setup.model.exists():
+        write_model(setup.model, setup.shape)
+    t_start = time.monotonic()
+    results: list[dict] = []
+    base_cells = [
+        {"order": o, "groups": g, "sampling_pool": pool, "backend_sampling": False, "slots": setup.clients,
+         "clients": setup.clients}
+        for o in ("rpc-first", "local-first") for g in (1, 2) for pool in (True, False)
+    ]
+
+    server = RpcServer(ENGINE_RPC_PORT)
+    try:
+        bal = balance(setup, server)
+        log.warning("balance: %s", bal)
+        split = list(bal["proposed_split"])
+        for c in base_cells:
+            c["tensor_split"] = split
+        engine_cells = [{**c, "path": "engine"} for c in base_cells]
+        results += sweep(engine_cells, lambda **kw: engine_cell(setup, server, **kw), a.repeats)
+        default_split = [{**base_cells[0], "path": "engine", "groups": 2, "tensor_split": None}]
+        bal["default_split_tok_s"] = sweep(default_split, lambda **kw: engine_cell(setup, server, **kw), 1)[0]["tok_s"]
+        bal["proposed_split_tok_s"] = next(r["tok_s"] for r in results if r["groups"] == 2
+                                           and r["order"] == "rpc-first" and r["sampling_pool"])
+    finally:
+        server.close()
+
+    if not a.skip_http:
+        stack = HttpStack()
+        try:
+            http_cells = [{**c, "path": "http"} for c in base_cells]
+            results += sweep(http_cells, lambda **kw: http_cell(setup, stack, **kw), a.repeats)
+            slot_cells = [
+                {"order": "rpc-first", "groups": g, "sampling_pool": True, "backend_sampling": False, "slots": s,
+                 "clients": s, "path": "http", "tensor_split": split}
+                for s in (int(x) for x in a.slots.split(",")) for g in (1, 2) if s != setup.clients
+            ]
+            results += sweep(slot_cells, lambda **kw: http_cell(setup, stack, **kw), 1)
+        finally:
+            stack.close()
+
+    meta = {
+        "machine": f"{os.cpu_count()} cores, {os.uname().machine}",
+        "model": setup.model.name,
+        "shape": setup.shape.__dict__,
+        "n_prompt": setup.n_prompt,
+        "n_gen": setup.n_gen,
+        "requests_per_client": setup.requests_per_client,
+        "balance": bal,
+        "wall_s": round(time.monotonic() - t_start, 1),
+        "command": "make bench" + (" BENCH_ARGS=--quick" if a.quick else ""),
+    }
+    table = write_reports(results, meta, Path(a.out))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
