@@ -50,7 +50,9 @@ class Setup:
         return slots * (self.n_prompt + self.n_gen + 16)
 
 
-FULL = Setup(ModelShape(n_layer=8, n_embd=1024, n_head=16, n_head_kv=4, n_ff=2048, n_vocab=151936,
+# The output layer of a 151,936-token vocabulary costs as much as ~14 of these layers, so the
+# model needs enough layers for the peer to balance it.
+FULL = Setup(ModelShape(n_layer=16, n_embd=1024, n_head=16, n_head_kv=4, n_ff=2816, n_vocab=151936,
                         ftype="q8_0", seed=11), n_prompt=32, n_gen=32, clients=32, requests_per_client=2,
              tensor_split=None)
 QUICK = Setup(ModelShape(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=32000, seed=11),
@@ -99,7 +101,7 @@ class RpcServer:
 
 
 def engine_cell(setup: Setup, server: RpcServer, order: str, groups: int, pool: bool, slots: int,
-                clients: int, tensor_split: list[float] | None = None) -> dict:
+                clients: int, tensor_split: list[float] | None = None, requests_per_client: int = 0) -> dict:
     cfg = EngineConfig(
         model=str(setup.model), n_ctx=setup.n_ctx(slots), n_parallel=slots, pipeline_groups=groups,
         n_threads=1, rpc_endpoints=[server.endpoint], devices=devices(order),
@@ -109,7 +111,7 @@ def engine_cell(setup: Setup, server: RpcServer, order: str, groups: int, pool: 
     rss0 = self_rss()
     e = Engine(cfg)
     try:
-        prompts = make_prompts(clients * setup.requests_per_client, setup.n_prompt)
+        prompts = make_prompts(clients * (requests_per_client or setup.requests_per_client), setup.n_prompt)
         run_engine(e, make_prompts(groups, 4, seed=99), groups, 2)  # warm-up
         p0, c0 = e.profiles(), server.cpu()
         res = run_engine(e, prompts, clients, setup.n_gen)
@@ -196,7 +198,7 @@ class HttpStack:
 
 
 def http_cell(setup: Setup, stack: HttpStack, order: str, groups: int, pool: bool, slots: int,
-              clients: int, tensor_split: list[float] | None = None) -> dict:
+              clients: int, tensor_split: list[float] | None = None, requests_per_client: int = 0) -> dict:
     stack.deploy({
         "model": str(setup.model), "n_ctx": setup.n_ctx(slots), "n_parallel": slots,
         "pipeline_groups": groups, "n_threads": 1, "devices": devices(order),
@@ -205,8 +207,8 @@ def http_cell(setup: Setup, stack: HttpStack, order: str, groups: int, pool: boo
     })
     run_http(stack.base, make_prompts(groups, 4, seed=99), groups, 2)  # warm-up
     stack.scrape()  # opens the busy window
-    res = run_http(stack.base, make_prompts(clients * setup.requests_per_client, setup.n_prompt), clients,
-                   setup.n_gen)
+    n_req = clients * (requests_per_client or setup.requests_per_client)
+    res = run_http(stack.base, make_prompts(n_req, setup.n_prompt), clients, setup.n_gen)
     m = stack.scrape()
     out = res.figures()
     out["busy_local"] = round(m.get(("pgroups_stage_busy_ratio", "local"), 0.0), 3)
@@ -245,11 +247,11 @@ def sweep(cells: list[dict], run_one, repeats: int) -> list[dict]:
 
 
 def balance(setup: Setup, server: RpcServer) -> dict:
-    """Measure each stage's time per step with one group and propose the tensor_split that equalises them."""
+    """Measure each stage's CPU time per step with two groups; propose the split that equalises them."""
     n_layer = setup.shape.n_layer
-    half = [n_layer / 2, n_layer / 2]
+    half = [n_layer // 2, n_layer - n_layer // 2]
     cfg = EngineConfig(model=str(setup.model), n_ctx=setup.n_ctx(setup.clients), n_parallel=setup.clients,
-                       n_threads=1, rpc_endpoints=[server.endpoint], devices=devices("rpc-first"),
+                       pipeline_groups=2, n_threads=1, rpc_endpoints=[server.endpoint], devices=devices("rpc-first"),
                        tensor_split=half, sample_threads=1, n_batch=max(512, setup.clients))
     e = Engine(cfg)
     try:
@@ -259,9 +261,10 @@ def balance(setup: Setup, server: RpcServer) -> dict:
         p1, c1 = e.profiles(), server.cpu()
     finally:
         e.close()
-    d = p1[0].minus(p0[0])
-    peer_per_step = (c1 - c0) / d.steps
-    local_per_step = d.decode_cpu / d.steps
+    d = [b.minus(a) for a, b in zip(p0, p1, strict=True)]
+    steps = sum(x.steps for x in d)
+    peer_per_step = (c1 - c0) / steps
+    local_per_step = sum(x.decode_cpu for x in d) / steps
     per_layer = peer_per_step / half[0]
     fixed_local = local_per_step - per_layer * half[1]  # output layer and the rest that cannot move
     n_peer = round(min(n_layer - 1, max(1, (n_layer + fixed_local / per_layer) / 2)))
@@ -316,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             results += sweep(http_cells, lambda **kw: http_cell(setup, stack, **kw), a.repeats)
             slot_cells = [
                 {"order": "rpc-first", "groups": g, "sampling_pool": True, "backend_sampling": False, "slots": s,
-                 "clients": s, "path": "http", "tensor_split": split}
+                 "clients": s, "path": "http", "tensor_split": split, "requests_per_client": 1}
                 for s in (int(x) for x in a.slots.split(",")) for g in (1, 2) if s != setup.clients
             ]
             results += sweep(slot_cells, lambda **kw: http_cell(setup, stack, **kw), 1)
