@@ -43,9 +43,9 @@ def markdown(results: list[dict], meta: dict) -> str:
         lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
     lines += ["", "| target | measured | wanted |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in ratios(results, meta.get("clients", 32))]
-    bal = meta.get("balance")
-    if bal:
-        lines += ["", f"Balance helper: {json.dumps(bal)}"]
+    for key, title in (("balance", "Balance helper"), ("graph_reuse", "Graph reuse off (the RPC mitigation) vs on, one group")):
+        if meta.get(key):
+            lines += ["", f"{title}: {json.dumps(meta[key])}"]
     lines += ["", f"Machine: {meta['machine']}; model {meta['model']}; prompt {meta['n_prompt']} / "
               f"generate {meta['n_gen']} tokens; `{meta['command']}` took {meta['wall_s']} s."]
     return "\n".join(lines)

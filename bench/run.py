@@ -10,6 +10,7 @@ markdown table and a PNG plot, and prints the table.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import subprocess
@@ -101,8 +102,11 @@ class RpcServer:
 
 
 def engine_cell(setup: Setup, server: RpcServer, order: str, groups: int, pool: bool, slots: int,
-                clients: int, tensor_split: list[float] | None = None, requests_per_client: int = 0) -> dict:
+                clients: int, tensor_split: list[float] | None = None, requests_per_client: int = 0,
+                graph_reuse: bool = False, backend: bool = False) -> dict:
     cfg = EngineConfig(
+        graph_reuse=graph_reuse,
+        backend_sampling=backend,
         model=str(setup.model), n_ctx=setup.n_ctx(slots), n_parallel=slots, pipeline_groups=groups,
         n_threads=1, rpc_endpoints=[server.endpoint], devices=devices(order),
         sample_threads=4 if pool else 1, n_batch=max(512, slots), tensor_split=tensor_split,
@@ -198,8 +202,10 @@ class HttpStack:
 
 
 def http_cell(setup: Setup, stack: HttpStack, order: str, groups: int, pool: bool, slots: int,
-              clients: int, tensor_split: list[float] | None = None, requests_per_client: int = 0) -> dict:
+              clients: int, tensor_split: list[float] | None = None, requests_per_client: int = 0,
+              backend: bool = False) -> dict:
     stack.deploy({
+        "backend_sampling": backend,
         "model": str(setup.model), "n_ctx": setup.n_ctx(slots), "n_parallel": slots,
         "pipeline_groups": groups, "n_threads": 1, "devices": devices(order),
         "sample_threads": 4 if pool else 1, "n_batch": max(512, slots), "tensor_split": tensor_split,
@@ -239,8 +245,9 @@ def sweep(cells: list[dict], run_one, repeats: int) -> list[dict]:
             c = cells[i]
             t0 = time.monotonic()
             r = run_one(**{k: v for k, v in c.items() if k not in ("path", "backend_sampling", "sampling_pool")},
-                        pool=c["sampling_pool"])
-            log.warning("%s %s: %s (%.0f s)", c["path"], {k: c[k] for k in ("order", "groups", "sampling_pool", "slots")},
+                        pool=c["sampling_pool"], backend=c["backend_sampling"])
+            log.warning("%s %s: %s (%.0f s)", c["path"],
+                        {k: c[k] for k in ("order", "groups", "sampling_pool", "backend_sampling", "slots")},
                         r, time.monotonic() - t0)
             runs[i].append(r)
     return [{**cells[i], **best_of(runs[i]), "runs": [r["tok_s"] for r in runs[i]]} for i in range(len(cells))]
@@ -276,6 +283,46 @@ def balance(setup: Setup, server: RpcServer) -> dict:
     }
 
 
+def graph_reuse_cost(setup: Setup, server: RpcServer, split: list[float] | None, repeats: int) -> dict:
+    """What disabling llama.cpp's graph reuse (the RPC race mitigation) costs, with one group.
+
+    Reuse stays off with several groups: they share one RPC connection and its last-graph id.
+    """
+    cells = [{"order": "rpc-first", "groups": 1, "sampling_pool": True, "backend_sampling": False,
+              "slots": setup.clients, "clients": setup.clients, "path": "engine", "tensor_split": split,
+              "graph_reuse": reuse} for reuse in (False, True)]
+    off, on = sweep(cells, lambda **kw: engine_cell(setup, server, **kw), repeats)
+    return {"reuse_off_tok_s": off["tok_s"], "reuse_on_tok_s": on["tok_s"],
+            "cost": f"{100 * (1 - off['tok_s'] / on['tok_s']):.1f} %"}
+
+
+def extra_run(setup: Setup, base_cells: list[dict], a: argparse.Namespace) -> int:
+    """Run only the backend-sampling cells and the graph-reuse cost; merge into the last results."""
+    out = Path(a.out)
+    results = json.loads((out / "latest.json").read_text())
+    meta = json.loads((out / "latest-meta.json").read_text())
+    split = meta["balance"]["proposed_split"]
+    cells = [{**c, "tensor_split": split} for c in base_cells if c["backend_sampling"]]
+    server = RpcServer(ENGINE_RPC_PORT)
+    try:
+        new = sweep([{**c, "path": "engine"} for c in cells], lambda **kw: engine_cell(setup, server, **kw), a.repeats)
+        meta["graph_reuse"] = graph_reuse_cost(setup, server, split, a.repeats)
+    finally:
+        server.close()
+    stack = HttpStack()
+    try:
+        new += sweep([{**c, "path": "http"} for c in cells], lambda **kw: http_cell(setup, stack, **kw), a.repeats)
+    finally:
+        stack.close()
+    keys = ("path", "order", "groups", "sampling_pool", "backend_sampling", "slots")
+    fresh = {tuple(c[k] for k in keys) for c in new}
+    results = [r for r in results if tuple(r[k] for k in keys) not in fresh] + new
+    meta["command"] += "; then " + "make bench BENCH_ARGS=--backend-only"
+    meta.pop("clients", None)
+    print(write_reports(results, meta, out))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small model and few requests (a smoke run)")
@@ -283,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-http", action="store_true")
     ap.add_argument("--slots", default="32,64,128,256", help="slot sweep (HTTP path)")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--graph-reuse-only", action="store_true", help="only measure the graph-reuse cost")
+    ap.add_argument("--backend-only", action="store_true",
+                    help="only the backend-sampling cells and the graph-reuse cost, merged into the last results")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     setup = QUICK if a.quick else FULL
@@ -294,9 +344,22 @@ def main(argv: list[str] | None = None) -> int:
         {"order": o, "groups": g, "sampling_pool": pool, "backend_sampling": False, "slots": setup.clients,
          "clients": setup.clients}
         for o in ("rpc-first", "local-first") for g in (1, 2) for pool in (True, False)
+    ] + [
+        # the seed's backend-sampling rows: RPC first, the chain in the graph (no host pool)
+        {"order": "rpc-first", "groups": g, "sampling_pool": False, "backend_sampling": True,
+         "slots": setup.clients, "clients": setup.clients}
+        for g in (1, 2)
     ]
+    if a.backend_only:
+        return extra_run(setup, base_cells, a)
 
     server = RpcServer(ENGINE_RPC_PORT)
+    if a.graph_reuse_only:
+        try:
+            print(json.dumps(graph_reuse_cost(setup, server, None, a.repeats)))
+        finally:
+            server.close()
+        return 0
     try:
         bal = balance(setup, server)
         log.warning("balance: %s", bal)
@@ -309,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         bal["default_split_tok_s"] = sweep(default_split, lambda **kw: engine_cell(setup, server, **kw), 1)[0]["tok_s"]
         bal["proposed_split_tok_s"] = next(r["tok_s"] for r in results if r["groups"] == 2
                                            and r["order"] == "rpc-first" and r["sampling_pool"])
+        reuse = graph_reuse_cost(setup, server, split, a.repeats)
     finally:
         server.close()
 
@@ -334,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         "n_gen": setup.n_gen,
         "requests_per_client": setup.requests_per_client,
         "balance": bal,
+        "graph_reuse": reuse,
         "wall_s": round(time.monotonic() - t_start, 1),
         "command": "make bench" + (" BENCH_ARGS=--quick" if a.quick else ""),
     }

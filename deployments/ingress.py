@@ -82,6 +82,11 @@ def err_response(status: int, message: str, param: str | None = None, headers: d
     )
 
 
+@app.exception_handler(HTTPError)
+async def _http_error(_request: Request, e: HTTPError) -> JSONResponse:
+    return err_response(e.status, e.message, e.param, e.headers)
+
+
 def _validation_message(e: ValidationError) -> str:
     parts = []
     for err in e.errors()[:5]:
@@ -164,20 +169,17 @@ class Ingress:
             raise HTTPError(404, f"the model {name!r} does not exist; this server serves {self.model_names[0]!r}", "model")
 
     async def _submit(self, request: Request, kind: str) -> Response:
+        self._check_auth(request)
+        body = await self._json(request)
+        model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
         try:
-            self._check_auth(request)
-            body = await self._json(request)
-            model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
-            try:
-                req = model_cls.model_validate(body)
-                req.sampling(1)
-            except ValidationError as e:
-                raise HTTPError(400, _validation_message(e)) from None
-            except ValueError as e:
-                raise HTTPError(400, str(e)) from None
-            self._check_model(req.model)
-        except HTTPError as e:
-            return err_response(e.status, e.message, e.param, e.headers)
+            req = model_cls.model_validate(body)
+            req.sampling(1)
+        except ValidationError as e:
+            raise HTTPError(400, _validation_message(e)) from None
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
+        self._check_model(req.model)
         self._ensure_pump()
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         q: asyncio.Queue = asyncio.Queue()
@@ -314,10 +316,7 @@ class Ingress:
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
-        try:
-            self._check_auth(request)
-        except HTTPError as e:
-            return err_response(e.status, e.message)
+        self._check_auth(request)
         data = [{"id": self.model_names[0], "object": "model", "created": 0, "owned_by": "pipeline-groups"}]
         return JSONResponse({"object": "list", "data": data})
 
@@ -333,19 +332,13 @@ class Ingress:
 
     @app.get("/slots")
     async def slots(self, request: Request) -> Response:
-        try:
-            self._check_auth(request)
-        except HTTPError as e:
-            return err_response(e.status, e.message)
+        self._check_auth(request)
         return JSONResponse(await self.engine.slots.remote())
 
     @app.post("/slots/{slot_id}")
     async def slot_action(self, slot_id: int, request: Request, action: str = "") -> Response:
-        try:
-            self._check_auth(request)
-            body = await self._json(request) if (await request.body()) else {}
-        except HTTPError as e:
-            return err_response(e.status, e.message)
+        self._check_auth(request)
+        body = await self._json(request) if (await request.body()) else {}
         filename = body.get("filename")
         if filename is not None and not isinstance(filename, str):
             return err_response(400, "filename must be a string")
@@ -356,9 +349,6 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
-        try:
-            self._check_auth(request)
-        except HTTPError as e:
-            return err_response(e.status, e.message)
+        self._check_auth(request)
         text = await self.engine.metrics_text.remote()
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -60,7 +60,9 @@ class EngineConfig(BaseModel):
         "min(4, cores); 1 samples serially in each group thread.",
     )
     backend_sampling: bool = Field(
-        default=False, description="Run the sampler chains in the compute graph (llama_set_sampler)."
+        default=False,
+        description="Run each request's sampler chain in the compute graph (llama_set_sampler) "
+        "when the chain allows it (no penalties, no logit bias); others sample on the host.",
     )
     max_queued_requests: int = Field(
         default=256, ge=0, description="Requests that may wait for a slot; beyond them, HTTP 429."
@@ -93,11 +95,6 @@ class EngineConfig(BaseModel):
             )
         if self.n_ctx // p < 8:
             raise ValueError(f"n_ctx ({self.n_ctx}) leaves under 8 tokens per slot over {p} slots")
-        if self.backend_sampling:
-            raise ValueError(
-                "backend_sampling is not supported yet: the engine samples on the host from the "
-                "logits it reads once per step; remove backend_sampling"
-            )
         if self.tensor_split is not None and any(x < 0 for x in self.tensor_split):
             raise ValueError("tensor_split entries must be >= 0")
         return self

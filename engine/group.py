@@ -217,7 +217,10 @@ class PipelineGroup:
                 n_keep = 0
             del s.cache_tokens[n_keep:]
         s.req = r
-        s.sampler = SamplerChain(r.params, self.n_vocab, self.config.seed)
+        backend = self.config.backend_sampling
+        s.sampler = SamplerChain(r.params, self.n_vocab, self.config.seed, force_chain=backend)
+        if backend and s.sampler.offloadable:
+            s.on_backend = self.ctx.set_sampler(s.seq_id, s.sampler.ptr)
         s.text = TextStream(r.params.stop)
         s.n_prompt_done = n_keep
         s.n_reused = n_keep
@@ -235,10 +238,11 @@ class PipelineGroup:
         b = self.batch
         b.clear()
         rows: list[Slot] = []
+        row_idx: list[int] = []  # batch index of each row's output token
         prompt_work: list[tuple[Slot, int]] = []
         for s in self.active:
             if s.state is SlotState.GENERATING:
-                b.add([s.last_token], len(s.cache_tokens), s.seq_id, True)
+                row_idx.append(b.add([s.last_token], len(s.cache_tokens), s.seq_id, True))
                 rows.append(s)
         for s in self.active:
             if s.state is not SlotState.PROMPT or b.free == 0:
@@ -246,10 +250,11 @@ class PipelineGroup:
             p = s.req.prompt_tokens
             chunk = p[s.n_prompt_done : s.n_prompt_done + b.free]
             last = s.n_prompt_done + len(chunk) == len(p)
-            b.add(chunk, s.n_prompt_done, s.seq_id, last)
+            i0 = b.add(chunk, s.n_prompt_done, s.seq_id, last)
             prompt_work.append((s, len(chunk)))
             if last:
                 rows.append(s)
+                row_idx.append(i0 + len(chunk) - 1)
         n_tokens = b.n_tokens
         t1 = time.perf_counter()
         prof.add("batch", t1 - t0)
@@ -263,7 +268,8 @@ class PipelineGroup:
         prof.add("decode", t2 - t1)
         # CPU time of this thread in decode: the local stage's compute when it runs on the CPU
         prof.add("decode_cpu", time.thread_time() - c1)
-        logits = self.ctx.logits(len(rows), self.n_vocab) if rows else None
+        backend = self.config.backend_sampling
+        logits = self.ctx.logits(len(rows), self.n_vocab) if rows and not backend else None
         t3 = time.perf_counter()
         prof.add("sync", t3 - t2)
         for s in rows:
@@ -272,7 +278,12 @@ class PipelineGroup:
         for s, n in prompt_work:
             s.cache_tokens.extend(s.req.prompt_tokens[s.n_prompt_done : s.n_prompt_done + n])
             s.n_prompt_done += n
-        tokens = self._sample(rows, logits) if rows else []
+        if not rows:
+            tokens = []
+        elif backend:
+            tokens = self._sample_backend(rows, row_idx)
+        else:
+            tokens = self._sample(rows, logits)
         t4 = time.perf_counter()
         prof.add("sample", t4 - t3)
         outs: list[Output] = []
@@ -301,6 +312,16 @@ class PipelineGroup:
         out = work(bounds[0], bounds[1])
         for f in futs:
             out.extend(f.result())
+        return out
+
+    def _sample_backend(self, rows: list[Slot], row_idx: list[int]) -> list[int]:
+        """Rows sampled in the graph are read back; the others sample from their logits row."""
+        out = []
+        for s, i in zip(rows, row_idx, strict=True):
+            if s.on_backend:
+                out.append(self.ctx.sampled_token(i))
+            else:
+                out.append(s.sampler.sample(self.ctx.logits_row(i, self.n_vocab)))
         return out
 
     def _process(self, s: Slot, tok: int) -> Output | None:
@@ -354,6 +375,9 @@ class PipelineGroup:
             t_queue=s.t_start - r.t_arrival,
             t_end=now - r.t_arrival,
         )
+        if s.on_backend:
+            self.ctx.set_sampler(s.seq_id, None)
+            s.on_backend = False
         if s.sampler is not None:
             s.sampler.close()
             s.sampler = None

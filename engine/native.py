@@ -296,6 +296,23 @@ class Context:
             raise NativeError("llama_get_logits returned NULL")
         return np.ctypeslib.as_array(ptr, shape=(n_rows, n_vocab))
 
+    def logits_row(self, i: int, n_vocab: int) -> np.ndarray:
+        """The logits of batch index ``i`` (synchronises the context again)."""
+        ptr = llama_cpp.llama_get_logits_ith(self.ptr, i)
+        if not ptr:
+            raise NativeError(f"no logits for batch index {i}")
+        return np.ctypeslib.as_array(ptr, shape=(n_vocab,))
+
+    def set_sampler(self, seq_id: int, sampler: object | None) -> bool:
+        """Attach a sampler chain to a sequence (backend sampling), or detach with None."""
+        return bool(llama_cpp.llama_set_sampler(self.ptr, seq_id, sampler))
+
+    def sampled_token(self, i: int) -> int:
+        tok = llama_cpp.llama_get_sampled_token_ith(self.ptr, i)
+        if tok < 0:
+            raise NativeError(f"no sampled token for batch index {i}")
+        return int(tok)
+
     def seq_rm(self, seq_id: int, p0: int, p1: int = -1) -> bool:
         return bool(llama_cpp.llama_memory_seq_rm(self.memory, seq_id, p0, p1))
 

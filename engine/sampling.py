@@ -113,10 +113,21 @@ def thread_candidates(n_vocab: int) -> Candidates:
 class SamplerChain:
     """Owns the llama_sampler chain of one request."""
 
-    def __init__(self, params: SamplingParams, n_vocab: int, default_seed: int = -1) -> None:
+    def __init__(
+        self, params: SamplingParams, n_vocab: int, default_seed: int = -1, force_chain: bool = False
+    ) -> None:
         self.params = params
         self.n_vocab = n_vocab
-        self.greedy = params.is_plain_greedy
+        # backend sampling needs a real chain, also for plain greedy
+        self.greedy = params.is_plain_greedy and not force_chain
+        # llama.cpp runs top-k, top-p, min-p, temperature, dist and greedy in the graph;
+        # penalties and logit biases need the host
+        self.offloadable = (
+            not params.logit_bias
+            and params.repeat_penalty == 1.0
+            and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0
+        )
         seed = params.seed
         if seed is None:
             seed = default_seed if default_seed >= 0 else random.randrange(0, 2**32 - 1)

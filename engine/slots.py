@@ -45,6 +45,7 @@ class Slot:
     state: SlotState = SlotState.IDLE
     req: Request | None = None
     sampler: SamplerChain | None = None
+    on_backend: bool = False  # the sampler chain is attached to the context (backend sampling)
     text: TextStream | None = None
     n_prompt_done: int = 0  # prompt tokens in the KV (reused + evaluated)
     n_reused: int = 0

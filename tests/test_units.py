@@ -46,7 +46,6 @@ def test_sampling_params_defaults_and_greedy():
         ({"pipeline_groups": 3, "n_parallel": 8}, "multiple of pipeline_groups"),
         ({"pipeline_groups": 0}, "greater than or equal to 1"),
         ({"n_ctx": 64, "n_parallel": 16}, "under 8 tokens per slot"),
-        ({"backend_sampling": True}, "not supported yet"),
     ],
 )
 def test_config_refuses_bad_groups(kw, msg):
