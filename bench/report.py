@@ -20,6 +20,7 @@ def ratios(results: list[dict], clients: int) -> list[tuple[str, str, str]]:
     """(what, measured, target) for the targets the issue sets."""
     out = []
     base = {"order": "rpc-first", "sampling_pool": True, "slots": clients}
+    base["backend_sampling"] = False
     h1, h2 = _find(results, path="http", groups=1, **base), _find(results, path="http", groups=2, **base)
     e2 = _find(results, path="engine", groups=2, **base)
     if h1 and h2:
@@ -36,11 +37,12 @@ def ratios(results: list[dict], clients: int) -> list[tuple[str, str, str]]:
 
 
 def markdown(results: list[dict], meta: dict) -> str:
-    cols = ["path", "order", "groups", "sampling_pool", "slots", "tok_s", "tpot_ms", "ttft_median_s",
+    cols = ["path", "order", "groups", "sampling_pool", "backend_sampling", "slots", "tok_s", "tpot_ms", "ttft_median_s",
             "busy_local", "busy_peer", "errors", "rss_engine_mb", "rss_peer_mb", "rows_per_step", "host_frac"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in results:
         lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
+    lines = lines[:2] + sorted(lines[2:], key=lambda x: x.split("|")[1])  # engine cells first
     lines += ["", "| target | measured | wanted |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in ratios(results, meta.get("clients", 32))]
     for key, title in (("balance", "Balance helper"), ("graph_reuse", "Graph reuse off (the RPC mitigation) vs on, one group")):
@@ -57,17 +59,21 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.5))
     cells = [r for r in results if r["slots"] == r["clients"] and r.get("clients") == min(x["clients"] for x in results)]
-    labels = [f"{r['path']}\n{r['order']}\ng{r['groups']} {'pool' if r['sampling_pool'] else 'serial'}" for r in cells]
+    def mode(r: dict) -> str:
+        return "backend" if r.get("backend_sampling") else ("pool" if r["sampling_pool"] else "serial")
+
+    labels = [f"{r['path']} {r['order']} g{r['groups']} {mode(r)}" for r in cells]
     ax1.bar(range(len(cells)), [r["tok_s"] for r in cells],
             color=["tab:blue" if r["groups"] == 1 else "tab:orange" for r in cells])
-    ax1.set_xticks(range(len(cells)), labels, fontsize=6)
+    ax1.set_xticks(range(len(cells)), labels, fontsize=7, rotation=70, ha="right")
     ax1.set_ylabel("generated tokens/s")
     ax1.set_title("groups 1 (blue) vs 2 (orange)")
     for g, color in ((1, "tab:blue"), (2, "tab:orange")):
         pts = sorted((r["slots"], r["tok_s"]) for r in results
-                     if r["path"] == "http" and r["groups"] == g and r["order"] == "rpc-first" and r["sampling_pool"])
+                     if r["path"] == "http" and r["groups"] == g and r["order"] == "rpc-first" and r["sampling_pool"]
+                     and not r.get("backend_sampling"))
         if pts:
             ax2.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=f"groups {g}")
     ax2.set_xscale("log", base=2)
