@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -23,14 +22,6 @@ log = logging.getLogger(__name__)
 
 STAGE_NAME = "pgroups-rpc-stage"
 NAMESPACE = "pipeline-groups"
-
-
-def port_open(host: str, port: int, timeout: float = 1.0) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 def port_listening(port: int) -> bool:

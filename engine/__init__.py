@@ -5,7 +5,6 @@ from engine.engine import Completion, Engine, OutputQueues
 from engine.group import SlotBusyError
 from engine.sampling import SamplingParams
 from engine.types import (
-    EngineUnavailableError,
     Output,
     QueueFullError,
     Request,
@@ -16,7 +15,6 @@ __all__ = [
     "Completion",
     "Engine",
     "EngineConfig",
-    "EngineUnavailableError",
     "Output",
     "OutputQueues",
     "QueueFullError",

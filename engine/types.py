@@ -17,10 +17,6 @@ class QueueFullError(RuntimeError):
     """Every slot is busy and the wait queue is full (HTTP 429)."""
 
 
-class EngineUnavailableError(RuntimeError):
-    """The engine is not running (HTTP 503)."""
-
-
 @dataclass(eq=False)
 class Request:
     """A request as the engine runs it. Immutable once submitted, but for ``slot_id``."""

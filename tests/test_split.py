@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cluster.rpc_stage import port_open
+from cluster.rpc_stage import port_listening
 from engine import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ def rpc_endpoint() -> Iterator[str]:
         stdout=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 30
-    while not port_open("127.0.0.1", PORT):
+    while not port_listening(PORT):
         assert proc.poll() is None, "rpc server exited"
         assert time.monotonic() < deadline, "rpc server did not start"
         time.sleep(0.1)
