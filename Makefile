@@ -59,10 +59,10 @@ lint: install
 bench: install model
 	$(PY) -m bench.run $(BENCH_ARGS)
 
-cluster-up:
+cluster-up: install
 	$(VENV)/bin/ray up -y cluster/two-sparks.yaml
 
-cluster-down:
+cluster-down: install
 	$(VENV)/bin/ray down -y cluster/two-sparks.yaml
 
 clean:

@@ -81,6 +81,10 @@ class AppArgs(BaseModel):
     n_gpu_layers: int = Field(default=-1, description="Layers on devices, -1 all [-ngl].")
     rpc: RpcArgs | None = Field(default=None, description="The peer stage [--rpc]; absent or disabled: no split.")
     cache_prompt: bool = Field(default=True, description="Reuse a slot's cached prefix for a new prompt.")
+    slot_prompt_similarity: float = Field(
+        default=0.1, ge=0.0, le=1.0,
+        description="Least shared fraction of the prompt for a slot to be chosen by prefix; else LRU [-sps].",
+    )
     api_key: str | None = Field(default=None, description="Require 'Authorization: Bearer <key>' on every endpoint but /health [--api-key].")
     sample_threads: int = Field(default=0, ge=0, description="Sampling threads over all groups; 1 is serial.")
     backend_sampling: bool = Field(default=False, description="Sample in the compute graph where the chain allows it.")
@@ -111,6 +115,7 @@ class AppArgs(BaseModel):
             n_gpu_layers=self.n_gpu_layers,
             tensor_split=self.tensor_split,
             cache_prompt=self.cache_prompt,
+            slot_prompt_similarity=self.slot_prompt_similarity,
             sample_threads=self.sample_threads,
             backend_sampling=self.backend_sampling,
             max_queued_requests=self.max_queued_requests,

@@ -88,3 +88,17 @@ def test_choose_slot_lru_when_prefix_below_similarity():
     views = [view(0, [1] + [0] * 10), view(1, [])]
     prompt = np.array([1] + [5] * 99, np.int32)
     assert choose_slot(views, prompt, {0: 9.0, 1: 1.0}, 0.1).id == 1
+
+
+def test_app_args_refuse_unsafe_rpc_bind_and_bad_groups():
+    from deployments.app import AppArgs, RpcArgs
+
+    with pytest.raises(ValidationError, match="unauthenticated"):
+        RpcArgs(host="0.0.0.0")
+    assert RpcArgs(host="0.0.0.0", allow_all_interfaces=True).host == "0.0.0.0"
+    with pytest.raises(ValidationError, match="multiple of pipeline_groups"):
+        AppArgs(n_parallel=6, pipeline_groups=4).engine_config([])
+    with pytest.raises(ValidationError):
+        AppArgs(unknown_key=1)
+    cfg = AppArgs(n_parallel=8, pipeline_groups=2, rpc={"port": 50999}).engine_config(["127.0.0.1:50999"])
+    assert cfg.rpc_endpoints == ["127.0.0.1:50999"] and cfg.n_slots_per_group == 4
