@@ -263,6 +263,10 @@ class PipelineGroup:
             self.ctx.decode(b)
         except NativeError as e:
             self._fail_batch(rows, prompt_work, str(e))
+            if e.rc < 0:
+                # a compute failure (e.g. the RPC stage went away): the context cannot be
+                # trusted any more; the group stops and the engine reports itself unhealthy
+                raise
             return
         t2 = time.perf_counter()
         prof.add("decode", t2 - t1)

@@ -25,7 +25,11 @@ _initialised = False
 
 
 class NativeError(RuntimeError):
-    """A llama.cpp call failed."""
+    """A llama.cpp call failed; ``rc`` is its return code where it has one."""
+
+    def __init__(self, message: str, rc: int = 0) -> None:
+        super().__init__(message)
+        self.rc = rc
 
 
 def _load(name: str) -> ctypes.CDLL:
@@ -287,7 +291,7 @@ class Context:
     def decode(self, batch: Batch) -> None:
         rc = llama_cpp.llama_decode(self.ptr, batch.struct)
         if rc != 0:
-            raise NativeError(f"llama_decode failed with {rc} (n_tokens={batch.n_tokens})")
+            raise NativeError(f"llama_decode failed with {rc} (n_tokens={batch.n_tokens})", rc)
 
     def logits(self, n_rows: int, n_vocab: int) -> np.ndarray:
         """The output rows of the last decode, in batch order; synchronises the context."""

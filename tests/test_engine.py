@@ -200,3 +200,26 @@ def test_many_threads_submitting(make_engine):
         t.join()
     assert not errors
     assert all(v.state == "idle" for v in e.slot_views())
+
+
+def test_compute_failure_stops_the_group_and_fails_requests(make_engine):
+    """A negative llama_decode code (a lost RPC stage) fails the requests and marks the engine unhealthy."""
+    from engine.native import NativeError
+
+    e = make_engine(n_parallel=2)
+    assert e.healthy
+    ctx = e.groups[0].ctx
+
+    def broken(batch):
+        raise NativeError("llama_decode failed with -3", -3)
+
+    ctx.decode = broken
+    out = e.generate("hello", GREEDY)
+    assert out.final.finish_reason == "error" and "decode failed" in out.final.error
+    deadline = time.monotonic() + 5
+    while e.healthy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not e.healthy
+    # later requests are refused at once instead of hanging
+    with pytest.raises(RuntimeError, match="unhealthy"):
+        e.submit(e.make_request("x", GREEDY))
