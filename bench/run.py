@@ -21,9 +21,10 @@ from pathlib import Path
 
 from bench.clients import LoadResult, make_prompts, run_engine, run_http
 from bench.report import write_reports
-from cluster.rpc_stage import _cpu_seconds, _rss, port_listening
+from cluster.rpc_stage import port_listening
 from engine import Engine, EngineConfig
 from engine.synthetic_model import ModelShape, write_model
+from observability.process import cpu_seconds, rss_bytes
 
 log = logging.getLogger("bench")
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +66,7 @@ def devices(order: str) -> list[str]:
 
 
 def self_rss() -> int:
-    return _rss(os.getpid())
+    return rss_bytes(os.getpid())
 
 
 # ---- the engine path ---------------------------------------------------------------------------
@@ -91,10 +92,10 @@ class RpcServer:
         return f"127.0.0.1:{self.port}"
 
     def cpu(self) -> float:
-        return _cpu_seconds(self.proc.pid)
+        return cpu_seconds(self.proc.pid)
 
     def rss(self) -> int:
-        return _rss(self.proc.pid)
+        return rss_bytes(self.proc.pid)
 
     def close(self) -> None:
         self.proc.kill()

@@ -18,6 +18,8 @@ from typing import Any
 
 import ray
 
+from observability.process import cpu_seconds, rss_bytes
+
 log = logging.getLogger(__name__)
 
 STAGE_NAME = "pgroups-rpc-stage"
@@ -110,8 +112,8 @@ class RpcStage:
             "restarts": self.restarts,
             "endpoint": self.endpoint(),
             "threads": self.threads,
-            "rss_bytes": _rss(self.proc.pid) if alive else 0,
-            "cpu_seconds": _cpu_seconds(self.proc.pid) if alive else 0.0,
+            "rss_bytes": rss_bytes(self.proc.pid) if alive else 0,
+            "cpu_seconds": cpu_seconds(self.proc.pid) if alive else 0.0,
         }
 
     def stop(self) -> None:
@@ -132,23 +134,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
     except OSError:
         pass
-
-
-def _rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
-
-
-def _cpu_seconds(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except OSError:
-        return 0.0
 
 
 def _node_ips_with(resource: str) -> list[str]:

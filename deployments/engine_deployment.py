@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 from collections import defaultdict
@@ -20,6 +21,7 @@ from ray import serve
 from deployments.protocol import ChatCompletionRequest, CompletionRequest
 from engine import Engine, EngineConfig, Output, QueueFullError, RequestError, SlotBusyError
 from observability.metrics import EngineMetrics
+from observability.process import rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class EngineDeployment:
         self.engine: Engine = await asyncio.to_thread(Engine, self.config, self._sink_from_thread)
         self.model_name = self.engine.model_name
         self._replica = _replica_tag()
-        self.metrics = EngineMetrics(self.model_name, self.config.pipeline_groups, self._replica)
+        self.metrics = EngineMetrics(self.model_name, self._replica)
         self.metrics.set_stage_up(True)
         self._last_busy: tuple[float, float, float | None] | None = None
         log.info("engine replica %s serving %s", self._replica, self.model_name)
@@ -199,7 +201,7 @@ class EngineDeployment:
         local_cpu = sum(p.decode_cpu for p in self.engine.profiles())
         peer = await self._stage_health()
         last = self._last_busy
-        self.metrics.set_stage_rss("local", _self_rss())
+        self.metrics.set_stage_rss("local", rss_bytes(os.getpid()))
         if peer is not None:
             self.metrics.set_stage_up(bool(peer["accepting"]))
             self.metrics.set_stage_rss("peer", int(peer.get("rss_bytes", 0)))
@@ -232,16 +234,6 @@ class EngineDeployment:
         eng = getattr(self, "engine", None)
         if eng is not None:
             eng.close()
-
-
-def _self_rss() -> int:
-    import os
-
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
 
 
 def _replica_tag() -> str:

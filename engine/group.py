@@ -26,7 +26,7 @@ import numpy as np
 from engine.config import EngineConfig
 from engine.native import Batch, Context, Model, NativeError
 from engine.sampling import SamplerChain
-from engine.slots import Slot, SlotState, SlotView
+from engine.slots import Slot, SlotState, SlotView, common_prefix
 from engine.text import TextStream
 from engine.tokenizer import Tokenizer
 from engine.types import Output, Request
@@ -205,11 +205,7 @@ class PipelineGroup:
         tokens = r.prompt_tokens
         n_keep = 0
         if self.config.cache_prompt and s.cache_tokens:
-            a = np.asarray(s.cache_tokens, dtype=np.int32)
-            b = np.asarray(tokens, dtype=np.int32)
-            n = min(len(a), len(b))
-            diff = np.flatnonzero(a[:n] != b[:n])
-            n_keep = int(diff[0]) if len(diff) else n
+            n_keep = common_prefix(np.asarray(s.cache_tokens, np.int32), np.asarray(tokens, np.int32))
         n_keep = min(n_keep, len(tokens) - 1)  # the last prompt token is always evaluated
         if n_keep < len(s.cache_tokens):
             if not self.ctx.seq_rm(s.seq_id, n_keep, -1):

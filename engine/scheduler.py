@@ -102,7 +102,3 @@ class Scheduler:
         """(running, waiting)."""
         with self._lock:
             return len(self._running), len(self._waiting)
-
-    def is_running(self, request_id: str) -> bool:
-        with self._lock:
-            return request_id in self._running

@@ -31,10 +31,9 @@ P = "pgroups_"
 
 
 class EngineMetrics:
-    def __init__(self, model: str, n_groups: int, replica: str = "0") -> None:
+    def __init__(self, model: str, replica: str = "0") -> None:
         self.model = model
         self.replica = replica
-        self.n_groups = n_groups
         r = self.registry = CollectorRegistry(auto_describe=True)
         base = ["model", "replica"]
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time from arrival to the first generated token.", base, buckets=TTFT_BUCKETS, registry=r)
@@ -59,6 +58,7 @@ class EngineMetrics:
         b = self._b = {"model": model, "replica": replica}
         for reason in FINISH_REASONS:
             self.requests.labels(**b, finished_reason=reason)
+        self._generated = self.generation_tokens.labels(**b)
         for c in (self.prompt_tokens, self.generation_tokens, self.prompt_seconds,
                   self.generation_seconds, self.rejected_total, self.prompt_tokens_cached):
             c.labels(**b)
@@ -67,7 +67,7 @@ class EngineMetrics:
         """Count one output; the request figures only on its final output."""
         b = self._b
         if o.n_tokens:
-            self.generation_tokens.labels(**b).inc(o.n_tokens)
+            self._generated.inc(o.n_tokens)  # per token: the labelled child is bound once
         if o.finish_reason is None:
             return
         self.requests.labels(**b, finished_reason=o.finish_reason).inc()
