@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import ray
 
 from cluster.rpc_stage import get_stage
@@ -37,6 +38,7 @@ def stream_one(base: str, results: list, i: int) -> None:
     results[i] = outcome
 
 
+@pytest.mark.isolated
 def test_killing_the_stage_server_fails_in_flight_requests_and_recovers(deploy, record_property):
     base = deploy(APP)
     stage = get_stage()
