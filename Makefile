@@ -18,7 +18,7 @@ WHEEL_CACHE ?= .cache/wheels
 WHEEL_DIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)
 STAMP := $(VENV)/.installed-$(LLAMA_VARIANT)
 
-.PHONY: install wheel model serve test test-fast lint bench cluster-up cluster-down clean
+.PHONY: install wheel model serve test test-fast lint bench llama-server cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -41,6 +41,29 @@ $(WHEEL_DIR)/.built:
 		llama-cpp-python==$(LLAMA_CPP_VERSION) -w $(WHEEL_DIR)
 	touch $@
 
+# The reference the benchmark measures against: llama-server and rpc-server built from the
+# llama.cpp vendored in the same llama-cpp-python sdist, cached beside the wheel.
+LLAMA_SERVER_DIR := $(WHEEL_CACHE)/llama-server-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)
+LLAMA_SERVER_SRC := $(LLAMA_SERVER_DIR)/src/llama_cpp_python-$(LLAMA_CPP_VERSION)
+
+llama-server: $(LLAMA_SERVER_DIR)/.built
+
+$(LLAMA_SERVER_DIR)/.built:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	mkdir -p $(LLAMA_SERVER_DIR)/src
+	test -f $(LLAMA_SERVER_SRC).tar.gz || \
+		$(PIP) download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_VERSION) -d $(LLAMA_SERVER_DIR)/src
+	test -d $(LLAMA_SERVER_SRC) || tar xzf $(LLAMA_SERVER_SRC).tar.gz -C $(LLAMA_SERVER_DIR)/src
+	cmake -S $(LLAMA_SERVER_SRC)/vendor/llama.cpp -B $(LLAMA_SERVER_DIR)/build -DCMAKE_BUILD_TYPE=Release \
+		-DBUILD_SHARED_LIBS=off -DLLAMA_BUILD_SERVER=on -DLLAMA_BUILD_TOOLS=on $(CMAKE_FLAGS) \
+		> $(LLAMA_SERVER_DIR)/cmake.log
+	cmake --build $(LLAMA_SERVER_DIR)/build -j $$(nproc) --target llama-server ggml-rpc-server \
+		> $(LLAMA_SERVER_DIR)/build.log
+	cp $(LLAMA_SERVER_DIR)/build/bin/llama-server $(LLAMA_SERVER_DIR)/
+	cp $(LLAMA_SERVER_DIR)/build/bin/ggml-rpc-server $(LLAMA_SERVER_DIR)/rpc-server
+	rm -rf $(LLAMA_SERVER_DIR)/src $(LLAMA_SERVER_DIR)/build
+	touch $@
+
 model: install
 	$(PY) -m engine.synthetic_model --out $(MODEL) --if-absent
 
@@ -58,8 +81,8 @@ test-fast: install model
 lint: install
 	$(VENV)/bin/ruff check engine deployments cluster observability bench tests
 
-bench: install model
-	$(PY) -m bench.run $(BENCH_ARGS)
+bench: install model llama-server
+	LLAMA_SERVER_BIN=$(LLAMA_SERVER_DIR) $(PY) -m bench.run $(BENCH_ARGS)
 
 cluster-up: install
 	$(VENV)/bin/ray up -y cluster/two-sparks.yaml

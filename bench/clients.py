@@ -53,9 +53,12 @@ class LoadResult:
         }
 
 
-def make_prompts(n: int, n_prompt: int, seed: int = 0) -> list[list[int]]:
+def make_prompts(n: int, n_prompt: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
+    """``n`` prompts of ``n_prompt`` tokens; the first ``shared_prefix`` (after BOS) are the same
+    in all of them, as a system prompt is."""
     rng = random.Random(seed)
-    return [[1] + [rng.choice(WORD_TOKENS) for _ in range(n_prompt - 1)] for _ in range(n)]
+    prefix = [rng.choice(WORD_TOKENS) for _ in range(shared_prefix)]
+    return [[1] + prefix + [rng.choice(WORD_TOKENS) for _ in range(n_prompt - 1 - shared_prefix)] for _ in range(n)]
 
 
 def sampling(i: int, n_gen: int) -> dict:
@@ -109,6 +112,7 @@ async def _http_one(client, base: str, i: int, prompt: list[int], n_gen: int) ->
                 t.error = f"http {r.status_code}"
                 return t
             done = False
+            events, usage_tokens = 0, None
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -121,10 +125,14 @@ async def _http_one(client, base: str, i: int, prompt: list[int], n_gen: int) ->
                     t.error = d["error"]["message"]
                     return t
                 if d.get("usage"):
-                    t.n_tokens = d["usage"]["completion_tokens"]
+                    usage_tokens = d["usage"]["completion_tokens"]
                 if d.get("choices"):
                     t.t_first = t.t_first or now
                     t.t_last = now
+                    c = d["choices"][0]
+                    events += bool(c.get("text") or (c.get("delta") or {}).get("content"))
+            # a server without usage in the stream sends one event per token
+            t.n_tokens = usage_tokens if usage_tokens is not None else events
             t.ok = done and t.n_tokens == n_gen
             if not t.ok:
                 t.error = f"truncated: done={done}, {t.n_tokens} tokens"

@@ -86,13 +86,109 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write_reports(results: list[dict], meta: dict, out: Path) -> str:
+def write_reports(results: list[dict], meta: dict, out: Path, stem: str = "sweep") -> str:
+    """The full sweep's reports: ``<stem>.json``, ``<stem>-meta.json``, ``<stem>.md``, ``<stem>.png``."""
     out.mkdir(parents=True, exist_ok=True)
     meta = {**meta, "clients": min((r["clients"] for r in results), default=32)}
     cells = [{k: r.get(k) for k in KEYS} | {k: v for k, v in r.items() if k not in KEYS} for r in results]
-    (out / "latest.json").write_text(json.dumps(cells, indent=1))
-    (out / "latest-meta.json").write_text(json.dumps(meta, indent=1))
+    (out / f"{stem}.json").write_text(json.dumps(cells, indent=1))
+    (out / f"{stem}-meta.json").write_text(json.dumps(meta, indent=1))
     table = markdown(results, meta)
+    (out / f"{stem}.md").write_text(table + "\n")
+    plot(results, out / f"{stem}.png")
+    return table
+
+
+# ---- the headline (bench/headline.py) ----------------------------------------------------------
+
+
+def _cell(results: list[dict], **kw: object) -> dict | None:
+    return _find(results, **kw)
+
+
+def headline_targets(results: list[dict]) -> list[tuple[str, str, str]]:
+    out: list[tuple[str, str, str]] = []
+
+    def best_ls(pinned: bool, clients: int = 32) -> dict | None:
+        ls = [r for r in results if r["system"] == "llama-server" and r["pinned"] == pinned and r["clients"] == clients]
+        return max(ls, key=lambda r: r["tok_s"], default=None)
+
+    def ours(groups: int, pinned: bool = False, clients: int = 32) -> dict | None:
+        return _cell(results, system="pipeline-groups", groups=groups, pinned=pinned, clients=clients)
+
+    for pinned in (False, True):
+        ls, g2 = best_ls(pinned), ours(2, pinned)
+        tag = "pinned" if pinned else "unpinned"
+        if ls and g2:
+            out.append((f"groups 2 / llama-server, 32 clients, {tag}", f"{g2['tok_s'] / ls['tok_s']:.2f}x", ">= 1.3x"))
+            out.append((f"stage CPU per token, groups 2 / llama-server, {tag}",
+                        f"{g2['stage_cpu_ms_per_token'] / max(ls['stage_cpu_ms_per_token'], 1e-9):.2f}x", "<= 1.2x"))
+            out.append((f"TTFT median, groups 2 / llama-server, {tag}",
+                        f"{g2['ttft_median_s'] / max(ls['ttft_median_s'], 1e-9):.2f}x", "<= 1.0x"))
+    g1, g2 = ours(1), ours(2)
+    if g1 and g2:
+        out.append(("groups 2 / groups 1, 32 clients, unpinned", f"{g2['tok_s'] / g1['tok_s']:.2f}x", ">= 1.6x"))
+    p1, p2 = ours(1, clients=8), ours(2, clients=8)
+    if p1 and p2:
+        out.append(("groups 2 / groups 1, 8 clients on 32 slots, shared prefix", f"{p2['tok_s'] / p1['tok_s']:.2f}x",
+                    ">= 1.3x"))
+    mine = [r for r in results if r["system"] == "pipeline-groups"]
+    if mine:
+        worst = max(mine, key=lambda r: abs(r["tok_s_rep2"] / r["tok_s"] - 1))
+        out.append(("second repetition vs first (worst cell)", f"{100 * (worst['tok_s_rep2'] / worst['tok_s'] - 1):+.1f} %",
+                    "within 5 %"))
+    return out
+
+
+def headline_markdown(results: list[dict], meta: dict) -> str:
+    cols = ("tok/s", "tok/s rep 2", "TPOT ms", "TTFT median s", "stage CPU ms/token", "ubatches/step", "errors")
+    lines = ["| cell | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for r in results:
+        rep = r["reps"][0]
+        vals = (r["tok_s"], r["tok_s_rep2"], r["tpot_ms"], r["ttft_median_s"], r["stage_cpu_ms_per_token"],
+                rep.get("ubatches_per_step", ""), r["errors"])
+        lines.append(f"| {r['name']} | " + " | ".join(str(v) for v in vals) + " |")
+    lines += ["", "| target | measured | wanted |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in headline_targets(results)]
+    full = [r for r in results if r["clients"] == 32 and not r["pinned"]]
+    roles = sorted({k for r in full for k in r["reps"][0]["cpu_ms_per_token"]})
+    if full:
+        lines += ["", "CPU milliseconds per generated token, by process (32 clients, unpinned, first repetition):", "",
+                  "| process | " + " | ".join(r["name"].split(", unpinned")[0] for r in full) + " |",
+                  "|---|" + "---|" * len(full)]
+        for role in roles:
+            lines.append(f"| {role} | " + " | ".join(str(r["reps"][0]["cpu_ms_per_token"].get(role, "")) for r in full) + " |")
+    lines += ["", f"Machine: {meta['machine']}; model {meta['model']} ({meta['split']}); prompts {meta['n_prompt']} "
+              f"tokens (+ the shared prefix), {meta['n_gen']} generated, {meta['slots']} slots; "
+              f"`{meta['command']}` took {meta['wall_s']} s."]
+    return "\n".join(lines)
+
+
+def plot_headline(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 5.5))
+    color = {1: "tab:blue", 2: "tab:orange"}
+    xs = range(len(results))
+    ax.bar([x - 0.2 for x in xs], [r["tok_s"] for r in results], 0.4, label="repetition 1",
+           color=["tab:gray" if r["system"] == "llama-server" else color[r["groups"]] for r in results])
+    ax.bar([x + 0.2 for x in xs], [r["tok_s_rep2"] for r in results], 0.4, label="repetition 2", alpha=0.5,
+           color=["tab:gray" if r["system"] == "llama-server" else color[r["groups"]] for r in results])
+    ax.set_xticks(list(xs), [r["name"] for r in results], fontsize=7, rotation=60, ha="right")
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title("llama-server (gray), pipeline groups 1 (blue) and 2 (orange); light: second repetition")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_headline(results: list[dict], meta: dict, out: Path) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "latest.json").write_text(json.dumps({"meta": meta, "cells": results}, indent=1))
+    table = headline_markdown(results, meta)
     (out / "latest.md").write_text(table + "\n")
-    plot(results, out / "latest.png")
+    plot_headline(results, out / "latest.png")
     return table

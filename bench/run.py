@@ -1,10 +1,11 @@
-"""``make bench``: the seed's sweep on this machine, through HTTP and straight on the engine.
+"""``make bench``: the headline against llama-server (bench/headline.py); ``--full``: the seed's
+sweep on this machine, through HTTP and straight on the engine.
 
 The reference split on a CPU box: the peer stage is an RPC server process with one thread
 on loopback, the local stage is the CPU device with one thread, the engine's own threads
 get what is left. Each cell runs twice, the second pass in reversed arm order, and keeps
 the better run (these machines are noisy). Writes ``bench/results/latest.json``, a
-markdown table and a PNG plot, and prints the table.
+markdown table and a PNG plot (``bench/results/sweep.*``), and prints the table.
 """
 
 from __future__ import annotations
@@ -257,10 +258,10 @@ def sweep(cells: list[dict], run_one, repeats: int) -> list[dict]:
 def balance(setup: Setup, server: RpcServer) -> dict:
     """Measure each stage's CPU time per step with two groups; propose the split that equalises them."""
     n_layer = setup.shape.n_layer
-    half = [n_layer // 2, n_layer - n_layer // 2]
+    half = [n_layer // 2, n_layer - n_layer // 2]  # layers on the peer, layers local (+ the output)
     cfg = EngineConfig(model=str(setup.model), n_ctx=setup.n_ctx(setup.clients), n_parallel=setup.clients,
                        pipeline_groups=2, n_threads=1, rpc_endpoints=[server.endpoint], devices=devices("rpc-first"),
-                       tensor_split=half, sample_threads=1, n_batch=max(512, setup.clients))
+                       peer_layers=half[0], sample_threads=1, n_batch=max(512, setup.clients))
     e = Engine(cfg)
     try:
         prompts = make_prompts(setup.clients, setup.n_prompt)
@@ -281,6 +282,8 @@ def balance(setup: Setup, server: RpcServer) -> dict:
         "peer_ms_per_step": round(1000 * peer_per_step, 2),
         "local_ms_per_step": round(1000 * local_per_step, 2),
         "proposed_split": [n_peer, n_layer - n_peer],
+        # llama.cpp's tensor split counts the output layer as one more layer
+        "tensor_split": [n_peer, n_layer + 1 - n_peer],
     }
 
 
@@ -300,9 +303,9 @@ def graph_reuse_cost(setup: Setup, server: RpcServer, split: list[float] | None,
 def extra_run(setup: Setup, base_cells: list[dict], a: argparse.Namespace) -> int:
     """Run only the backend-sampling cells and the graph-reuse cost; merge into the last results."""
     out = Path(a.out)
-    results = json.loads((out / "latest.json").read_text())
-    meta = json.loads((out / "latest-meta.json").read_text())
-    split = meta["balance"]["proposed_split"]
+    results = json.loads((out / "sweep.json").read_text())
+    meta = json.loads((out / "sweep-meta.json").read_text())
+    split = meta["balance"].get("tensor_split") or meta["balance"]["proposed_split"]
     cells = [{**c, "tensor_split": split} for c in base_cells if c["backend_sampling"]]
     server = RpcServer(ENGINE_RPC_PORT)
     try:
@@ -318,7 +321,7 @@ def extra_run(setup: Setup, base_cells: list[dict], a: argparse.Namespace) -> in
     keys = ("path", "order", "groups", "sampling_pool", "backend_sampling", "slots")
     fresh = {tuple(c[k] for k in keys) for c in new}
     results = [r for r in results if tuple(r[k] for k in keys) not in fresh] + new
-    meta["command"] += "; then " + "make bench BENCH_ARGS=--backend-only"
+    meta["command"] += "; then " + "make bench BENCH_ARGS='--full --backend-only'"
     meta.pop("clients", None)
     print(write_reports(results, meta, out))
     return 0
@@ -326,7 +329,9 @@ def extra_run(setup: Setup, base_cells: list[dict], a: argparse.Namespace) -> in
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a small model and few requests (a smoke run)")
+    ap.add_argument("--full", action="store_true", help="the full sweep instead of the headline")
+    ap.add_argument("--only", default=None, help="headline: only the cells whose name contains this text")
+    ap.add_argument("--quick", action="store_true", help="full sweep: a small model and few requests (a smoke run)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-http", action="store_true")
     ap.add_argument("--slots", default="32,64,128,256", help="slot sweep (HTTP path)")
@@ -336,6 +341,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the backend-sampling cells and the graph-reuse cost, merged into the last results")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    if not a.full:
+        from bench import headline
+
+        headline.main(Path(a.out), a.only)
+        return 0
     setup = QUICK if a.quick else FULL
     if not setup.model.exists():
         write_model(setup.model, setup.shape)
@@ -364,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bal = balance(setup, server)
         log.warning("balance: %s", bal)
-        split = list(bal["proposed_split"])
+        split = list(bal["tensor_split"])
         for c in base_cells:
             c["tensor_split"] = split
         engine_cells = [{**c, "path": "engine"} for c in base_cells]
@@ -401,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         "balance": bal,
         "graph_reuse": reuse,
         "wall_s": round(time.monotonic() - t_start, 1),
-        "command": "make bench" + (" BENCH_ARGS=--quick" if a.quick else ""),
+        "command": "make bench BENCH_ARGS='--full" + (" --quick'" if a.quick else "'"),
     }
     table = write_reports(results, meta, Path(a.out))
     print(table)

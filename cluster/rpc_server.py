@@ -20,7 +20,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--device", action="append", default=[], help="device to expose (repeatable)")
     p.add_argument("--cache-dir", default=None)
+    p.add_argument("--cpus", default=None, help="pin the stage to these cores, e.g. 0 or 0,1 (Linux)")
     a = p.parse_args(argv)
+    if a.cpus:
+        os.sched_setaffinity(0, {int(c) for c in a.cpus.split(",")})
 
     from engine.native import ggml, init_backend, list_devices, local_device_name
 

@@ -47,7 +47,8 @@ def port_listening(port: int) -> bool:
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class RpcStage:
-    def __init__(self, host: str, port: int, threads: int, devices: list[str] | None, cache_dir: str | None):
+    def __init__(self, host: str, port: int, threads: int, devices: list[str] | None, cache_dir: str | None,
+                 cpus: list[int] | None = None):
         self.host, self.port = host, port
         self.threads = threads or (os.cpu_count() or 1)
         self.cmd = [sys.executable, "-m", "cluster.rpc_server", "--host", host, "--port", str(port)]
@@ -57,6 +58,8 @@ class RpcStage:
             self.cmd += ["--device", d]
         if cache_dir:
             self.cmd += ["--cache-dir", cache_dir]
+        if cpus:
+            self.cmd += ["--cpus", ",".join(map(str, cpus))]
         self.restarts = 0
         self.started_at = 0.0
         self._stopping = False
@@ -157,7 +160,7 @@ def start_stage(rpc: Any, peer_resource: str | None, local_resource: str) -> str
     opts: dict[str, Any] = {"name": STAGE_NAME, "namespace": NAMESPACE, "lifetime": "detached", "get_if_exists": True}
     if peer_resource and ray.cluster_resources().get(peer_resource, 0) > 0:
         opts["resources"] = {peer_resource: 0.01}
-    stage = RpcStage.options(**opts).remote(host, rpc.port, rpc.threads, rpc.devices, rpc.cache_dir)
+    stage = RpcStage.options(**opts).remote(host, rpc.port, rpc.threads, rpc.devices, rpc.cache_dir, rpc.cpus)
     endpoint = ray.get(stage.ready.remote(rpc.start_timeout_s), timeout=rpc.start_timeout_s + 30)
     log.info("RPC stage ready at %s", endpoint)
     return endpoint

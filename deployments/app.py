@@ -39,6 +39,9 @@ class RpcArgs(BaseModel):
     devices: list[str] | None = Field(
         default=None, description="Devices the stage exposes (e.g. ['CUDA0']); default: its first GPU, else CPU."
     )
+    cpus: list[int] | None = Field(
+        default=None, description="Pin the stage's server process to these cores (Linux); None: no pinning."
+    )
     cache_dir: str | None = Field(
         default=None, description="Folder where the stage caches large tensors so a reconnect does not resend them."
     )
@@ -78,6 +81,9 @@ class AppArgs(BaseModel):
         "the output layer and the logits stay local.",
     )
     tensor_split: list[float] | None = Field(default=None, description="Share of the layers per device, in device order [-ts].")
+    peer_layers: int | None = EngineConfig.model_fields["peer_layers"]
+    kv_unified: bool = EngineConfig.model_fields["kv_unified"]
+    local_cpus: list[int] | None = EngineConfig.model_fields["local_cpus"]
     n_gpu_layers: int = Field(default=-1, description="Layers on devices, -1 all [-ngl].")
     rpc: RpcArgs | None = Field(default=None, description="The peer stage [--rpc]; absent or disabled: no split.")
     cache_prompt: bool = Field(default=True, description="Reuse a slot's cached prefix for a new prompt.")
@@ -114,6 +120,9 @@ class AppArgs(BaseModel):
             rpc_endpoints=rpc_endpoints,
             n_gpu_layers=self.n_gpu_layers,
             tensor_split=self.tensor_split,
+            peer_layers=self.peer_layers,
+            kv_unified=self.kv_unified,
+            local_cpus=self.local_cpus,
             cache_prompt=self.cache_prompt,
             slot_prompt_similarity=self.slot_prompt_similarity,
             sample_threads=self.sample_threads,

@@ -68,6 +68,48 @@ ERROR_TYPES = {
 }
 
 
+DONE = b"data: [DONE]\n\n"
+
+
+class SseEvents:
+    """The SSE events of one streamed request. The parts that do not change are encoded
+    once, so a token costs one ``json.dumps`` of its text."""
+
+    def __init__(self, rid: str, kind: str, model: str, include_usage: bool) -> None:
+        self.kind = kind
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        self.head = {"id": rid, "object": obj, "created": now(), "model": model}
+        head = json.dumps(self.head, ensure_ascii=False)[:-1].encode()
+        key = b'"delta": {"content": ' if kind == "chat" else b'"text": '
+        tail = b"}" if kind == "chat" else b""
+        self._prefix = b"data: " + head + b', "choices": [{"index": 0, ' + key
+        self._suffix = tail + b', "finish_reason": null, "logprobs": null}]' + (
+            b', "usage": null' if include_usage else b""
+        ) + b"}\n\n"
+        self.include_usage = include_usage
+
+    def chunk(self, text: str | None, finish: str | None, first: bool = False) -> bytes:
+        if text and finish is None and not first:  # the per-token case
+            return self._prefix + json.dumps(text, ensure_ascii=False).encode() + self._suffix
+        if self.kind == "chat":
+            delta: dict[str, Any] = {}
+            if first:
+                delta["role"] = "assistant"
+            if text:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        body = {**self.head, "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+    def usage(self, o: Output) -> bytes:
+        body = {**self.head, "choices": [], "usage": usage(o.prompt_tokens, o.completion_tokens, o.cached_tokens)}
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
 class HTTPError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
         super().__init__(message)
@@ -203,8 +245,10 @@ class Ingress:
             )
         return await self._collect(rid, q, kind, model)
 
-    async def _outputs(self, rid: str, q: asyncio.Queue) -> AsyncIterator[Output]:
-        """The request's outputs until its last; cancels it in the engine if abandoned."""
+    async def _outputs(self, rid: str, q: asyncio.Queue) -> AsyncIterator[list[Output]]:
+        """The request's outputs until its last, as lists of what has arrived since the last
+        read (one list per step while the client keeps up, several steps when it falls
+        behind); cancels the request in the engine if abandoned."""
         deadline = time.monotonic() + self.request_timeout_s if self.request_timeout_s else None
         finished = False
         try:
@@ -213,10 +257,14 @@ class Ingress:
                 try:
                     o = await asyncio.wait_for(q.get(), timeout)
                 except TimeoutError:
-                    yield Output(rid, "", 0, "error", error=f"request timed out after {self.request_timeout_s} s")
+                    yield [Output(rid, "", 0, "error", error=f"request timed out after {self.request_timeout_s} s")]
                     return
+                batch = [o]
+                while o.finish_reason is None and not q.empty():
+                    o = q.get_nowait()
+                    batch.append(o)
                 finished = o.finish_reason is not None
-                yield o
+                yield batch
                 if finished:
                     return
         finally:
@@ -230,9 +278,9 @@ class Ingress:
     async def _collect(self, rid: str, q: asyncio.Queue, kind: str, model: str) -> Response:
         parts: list[str] = []
         last = None
-        async for o in self._outputs(rid, q):
-            parts.append(o.text)
-            last = o
+        async for batch in self._outputs(rid, q):
+            parts.extend(o.text for o in batch)
+            last = batch[-1]
         assert last is not None
         if last.finish_reason == "error":
             status = 504 if "timed out" in (last.error or "") else 500
@@ -255,54 +303,32 @@ class Ingress:
         )
 
     async def _sse(self, rid: str, q: asyncio.Queue, kind: str, model: str, include_usage: bool):
-        created = now()
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> bytes:
-            if kind == "chat":
-                delta: dict[str, Any] = {}
-                if first:
-                    delta["role"] = "assistant"
-                if text:
-                    delta["content"] = text
-                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-            body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-            if include_usage:
-                body["usage"] = None
-            return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
-
+        ev = SseEvents(rid, kind, model, include_usage)
         if kind == "chat":
-            yield chunk(None, None, first=True)
-        async for o in self._outputs(rid, q):
-            if o.finish_reason == "error":
-                err = error_body(o.error or "generation failed", "server_error", 500)
-                yield b"data: " + json.dumps(err).encode() + b"\n\n"
-                yield b"data: [DONE]\n\n"
+            yield ev.chunk(None, None, first=True)
+        async for batch in self._outputs(rid, q):
+            last = batch[-1]
+            # the text of every step that has arrived goes out in one event
+            text = "".join(o.text for o in batch)
+            if last.finish_reason == "error":
+                err = error_body(last.error or "generation failed", "server_error", 500)
+                yield (ev.chunk(text, None) if text else b"") + b"data: " + json.dumps(err).encode() + b"\n\n" + DONE
                 return
-            if o.finish_reason is None:
-                if o.text:
-                    yield chunk(o.text, None)
+            if last.finish_reason is None:
+                if text:
+                    yield ev.chunk(text, None)
                 continue
-            if o.finish_reason == "cancelled":
+            if last.finish_reason == "cancelled":
                 return
-            if kind == "chat" and o.text:
-                yield chunk(o.text, None)
-                yield chunk(None, o.finish_reason)
+            if kind == "chat" and text:
+                out = ev.chunk(text, None) + ev.chunk(None, last.finish_reason)
             else:
-                yield chunk(o.text, o.finish_reason)
+                out = ev.chunk(text, last.finish_reason)
             if include_usage:
-                body = {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": usage(o.prompt_tokens, o.completion_tokens, o.cached_tokens),
-                }
-                yield b"data: " + json.dumps(body).encode() + b"\n\n"
-        yield b"data: [DONE]\n\n"
+                out += ev.usage(last)
+            yield out + DONE
+            return
+        yield DONE
 
     # ---- routes ------------------------------------------------------------------------------
 

@@ -31,6 +31,11 @@ class EngineConfig(BaseModel):
     n_threads: int = Field(
         default=0, ge=0, description="Threads of the local compute device; 0 picks one per core [-t]."
     )
+    local_cpus: list[int] | None = Field(
+        default=None,
+        description="Pin the group threads, which run the local stage's CPU compute, to these "
+        "cores (os.sched_setaffinity; Linux). None: no pinning.",
+    )
     devices: list[str] | None = Field(
         default=None,
         description="Devices in layer order, llama.cpp style (e.g. ['RPC0', 'CPU']); the last one "
@@ -42,7 +47,23 @@ class EngineConfig(BaseModel):
     )
     n_gpu_layers: int = Field(default=-1, description="Layers to offload to devices; -1 is all [-ngl].")
     tensor_split: list[float] | None = Field(
-        default=None, description="Fraction of the layers per device, in device order [-ts]."
+        default=None,
+        description="Share of the layers per device, in device order [-ts]. llama.cpp counts the "
+        "output layer as one more layer: [5, 4] on an 8-layer model puts 5 layers on the first "
+        "device and 3 plus the output layer on the second. Prefer peer_layers.",
+    )
+    peer_layers: int | None = Field(
+        default=None,
+        ge=1,
+        description="Layers the RPC stage computes; the rest and the output layer stay on the local "
+        "device. Needs exactly one RPC device before the local one; excludes tensor_split.",
+    )
+    kv_unified: bool = Field(
+        default=False,
+        description="One KV stream shared by a group's slots [-kvu]. Off: one stream per slot, so "
+        "attention reads only the slot's own cells; a step is then cut into one micro-batch per "
+        "run of consecutive busy sequence ids. On: one micro-batch per step, but every row "
+        "attends over the cells of all the group's slots (costly at long contexts).",
     )
     cache_prompt: bool = Field(
         default=True, description="Reuse the common prefix of a slot's cached tokens for a new prompt."
@@ -97,6 +118,8 @@ class EngineConfig(BaseModel):
             raise ValueError(f"n_ctx ({self.n_ctx}) leaves under 8 tokens per slot over {p} slots")
         if self.tensor_split is not None and any(x < 0 for x in self.tensor_split):
             raise ValueError("tensor_split entries must be >= 0")
+        if self.peer_layers is not None and self.tensor_split is not None:
+            raise ValueError("set peer_layers or tensor_split, not both")
         return self
 
     @property

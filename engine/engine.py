@@ -43,6 +43,19 @@ def default_devices(config: EngineConfig, rpc_devices: list[str]) -> list[str] |
     return None
 
 
+def layer_split(config: EngineConfig, devices: list[str] | None) -> list[float] | None:
+    """llama.cpp's tensor split for ``peer_layers``: it cuts the layers *and* the output layer
+    in proportion, so n peer layers of L are the split [n, L + 1 - n]."""
+    if config.peer_layers is None:
+        return config.tensor_split
+    if not devices or len(devices) != 2 or not devices[0].startswith("RPC"):
+        raise ValueError(f"peer_layers needs the devices [RPC0, <local>], not {devices}")
+    n_layer = Model.n_layer_of(config.model)
+    if config.peer_layers >= n_layer:
+        raise ValueError(f"peer_layers ({config.peer_layers}) must leave the local device at least one of {n_layer} layers")
+    return [float(config.peer_layers), float(n_layer + 1 - config.peer_layers)]
+
+
 class Engine:
     def __init__(self, config: EngineConfig, sink: Callable[[list[Output]], None] | None = None):
         self.config = config
@@ -59,7 +72,7 @@ class Engine:
             config.model,
             devices=self.devices,
             n_gpu_layers=config.n_gpu_layers,
-            tensor_split=config.tensor_split,
+            tensor_split=layer_split(config, self.devices),
         )
         self.model_name = config.model_alias or Path(config.model).name
         self.tokenizer = Tokenizer(self.model)

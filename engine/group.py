@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.batching import Entry, count_ubatches, order_entries
 from engine.config import EngineConfig
 from engine.native import Batch, Context, Model, NativeError
 from engine.sampling import SamplerChain
@@ -87,6 +88,7 @@ class PipelineGroup:
             n_batch=n_batch,
             n_ubatch=config.n_ubatch,
             n_threads=config.local_threads(),
+            kv_unified=config.kv_unified,
         )
         self.n_ctx_slot = self.ctx.n_ctx_seq
         self.batch = Batch(n_batch)
@@ -129,6 +131,9 @@ class PipelineGroup:
     # ---- the thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.config.local_cpus:
+            # pid 0 is this thread; ggml's compute threads, created from it, inherit the mask
+            os.sched_setaffinity(0, self.config.local_cpus)
         try:
             while True:
                 t0 = time.perf_counter()
@@ -228,37 +233,46 @@ class PipelineGroup:
         self.active.append(s)
         self.on_release(s.view(), False)
 
+    def _plan(self) -> list[Entry]:
+        """This step's work: every generating slot's last token, then prompt chunks up to
+        ``n_batch`` (in the order the slots became busy), laid out by sequence id."""
+        entries: list[Entry] = []
+        free = self.batch.capacity
+        for s in self.active:
+            if s.state is SlotState.GENERATING:
+                entries.append(Entry(s, s.seq_id, len(s.cache_tokens), [s.last_token], True))
+                free -= 1
+        for s in self.active:
+            if s.state is not SlotState.PROMPT or free == 0:
+                continue
+            p = s.req.prompt_tokens
+            chunk = p[s.n_prompt_done : s.n_prompt_done + free]
+            free -= len(chunk)
+            entries.append(Entry(s, s.seq_id, s.n_prompt_done, chunk, s.n_prompt_done + len(chunk) == len(p)))
+        return order_entries(entries)
+
     def _step(self) -> None:
         prof = self.prof
         t0 = time.perf_counter()
+        entries = self._plan()
         b = self.batch
         b.clear()
-        rows: list[Slot] = []
+        rows: list[Slot] = []  # slots sampled this step, in the batch order of their logits
         row_idx: list[int] = []  # batch index of each row's output token
-        prompt_work: list[tuple[Slot, int]] = []
-        for s in self.active:
-            if s.state is SlotState.GENERATING:
-                row_idx.append(b.add([s.last_token], len(s.cache_tokens), s.seq_id, True))
-                rows.append(s)
-        for s in self.active:
-            if s.state is not SlotState.PROMPT or b.free == 0:
-                continue
-            p = s.req.prompt_tokens
-            chunk = p[s.n_prompt_done : s.n_prompt_done + b.free]
-            last = s.n_prompt_done + len(chunk) == len(p)
-            i0 = b.add(chunk, s.n_prompt_done, s.seq_id, last)
-            prompt_work.append((s, len(chunk)))
-            if last:
-                rows.append(s)
-                row_idx.append(i0 + len(chunk) - 1)
+        for e in entries:
+            i0 = b.add(e.tokens, e.pos0, e.seq_id, e.out)
+            if e.out:
+                rows.append(e.slot)
+                row_idx.append(i0 + len(e.tokens) - 1)
         n_tokens = b.n_tokens
+        n_ubatches = count_ubatches(entries, self.ctx.n_ubatch, self.config.kv_unified)
         t1 = time.perf_counter()
         prof.add("batch", t1 - t0)
         c1 = time.thread_time()
         try:
             self.ctx.decode(b)
         except NativeError as e:
-            self._fail_batch(rows, prompt_work, str(e))
+            self._fail_batch([en.slot for en in entries], str(e))
             if e.rc < 0:
                 # a compute failure (e.g. the RPC stage went away): the context cannot be
                 # trusted any more; the group stops and the engine reports itself unhealthy
@@ -272,12 +286,11 @@ class PipelineGroup:
         logits = self.ctx.logits(len(rows), self.n_vocab) if rows and not backend else None
         t3 = time.perf_counter()
         prof.add("sync", t3 - t2)
-        for s in rows:
-            if s.state is SlotState.GENERATING:
-                s.cache_tokens.append(s.last_token)
-        for s, n in prompt_work:
-            s.cache_tokens.extend(s.req.prompt_tokens[s.n_prompt_done : s.n_prompt_done + n])
-            s.n_prompt_done += n
+        for e in entries:
+            s = e.slot
+            s.cache_tokens.extend(e.tokens)
+            if s.state is SlotState.PROMPT:
+                s.n_prompt_done += len(e.tokens)
         if not rows:
             tokens = []
         elif backend:
@@ -296,7 +309,7 @@ class PipelineGroup:
             self.sink(outs)
         prof.add("send", time.perf_counter() - t5)
         n_busy = len(self.active) + sum(1 for o in outs if o.finish_reason)
-        prof.end_step(len(rows), n_tokens, n_busy, sum(len(s.cache_tokens) for s in self.slots))
+        prof.end_step(len(rows), n_tokens, n_busy, sum(len(s.cache_tokens) for s in self.slots), n_ubatches)
 
     def _sample(self, rows: list[Slot], logits: np.ndarray) -> list[int]:
         n = len(rows)
@@ -391,11 +404,10 @@ class PipelineGroup:
             self.on_release(s.view(), True)
         return out
 
-    def _fail_batch(self, rows: list[Slot], prompt_work: list[tuple[Slot, int]], err: str) -> None:
+    def _fail_batch(self, failed: list[Slot], err: str) -> None:
         log.error("group %d: decode failed: %s", self.index, err)
-        failed = {id(s): s for s in rows} | {id(s): s for s, _ in prompt_work}
         outs = []
-        for s in failed.values():
+        for s in failed:
             # the sequence's KV is now unknown: drop it
             self.ctx.seq_rm(s.seq_id, 0, -1)
             s.cache_tokens.clear()

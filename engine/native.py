@@ -237,6 +237,20 @@ class Model:
         self.eos = llama_cpp.llama_vocab_eos(self.vocab)
         self.size_bytes = llama_cpp.llama_model_size(self.ptr)
 
+    @staticmethod
+    def n_layer_of(path: str) -> int:
+        """The layer count of a GGUF file, read without loading its weights."""
+        init_backend()
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        ptr = llama_cpp.llama_model_load_from_file(path.encode(), params)
+        if not ptr:
+            raise NativeError(f"failed to read {path}")
+        try:
+            return int(llama_cpp.llama_model_n_layer(ptr))
+        finally:
+            llama_cpp.llama_model_free(ptr)
+
     def chat_template(self) -> str | None:
         t = llama_cpp.llama_model_chat_template(self.ptr, None)
         return t.decode() if t else None
@@ -265,7 +279,9 @@ class Context:
         n_batch: int,
         n_ubatch: int,
         n_threads: int,
+        kv_unified: bool = False,
         flash_attn: bool | None = None,
+        cb_eval: object | None = None,
     ) -> None:
         self.model = model
         p = llama_cpp.llama_context_default_params()
@@ -275,17 +291,22 @@ class Context:
         p.n_seq_max = n_seq_max
         p.n_threads = n_threads
         p.n_threads_batch = n_threads
-        p.kv_unified = False
+        p.kv_unified = kv_unified
         p.no_perf = True
         if flash_attn is not None:
             p.flash_attn_type = 1 if flash_attn else 0
+        if cb_eval is not None:  # a ggml_backend_sched_eval_callback, for diagnostics
+            p.cb_eval = cb_eval
         self.ptr = llama_cpp.llama_init_from_model(model.ptr, p)
         if not self.ptr:
             raise NativeError(
                 f"failed to create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max}, n_batch={n_batch})"
             )
         self.n_ctx = llama_cpp.llama_n_ctx(self.ptr)
-        self.n_ctx_seq = llama_cpp.llama_n_ctx_seq(self.ptr)
+        self.n_ubatch = llama_cpp.llama_n_ubatch(self.ptr)
+        # a unified cache lets any sequence fill the whole context; each slot still gets its
+        # share, so that the slots together can never overflow the cache
+        self.n_ctx_seq = self.n_ctx // n_seq_max if kv_unified else llama_cpp.llama_n_ctx_seq(self.ptr)
         self.memory = llama_cpp.llama_get_memory(self.ptr)
 
     def decode(self, batch: Batch) -> None:

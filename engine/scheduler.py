@@ -58,7 +58,12 @@ class Scheduler:
 
     def _assign(self, r: Request) -> None:
         idle = [self._views[i] for i in self._idle]
-        v = choose_slot(idle, np.asarray(r.prompt_tokens, dtype=np.int32), self._last_used, self.similarity)
+        busy: dict[int, set[int]] = {}
+        for sid in self._slot_request:
+            b = self._views[sid]
+            busy.setdefault(b.group, set()).add(b.seq_id)
+        prompt = np.asarray(r.prompt_tokens, dtype=np.int32)
+        v = choose_slot(idle, prompt, self._last_used, self.similarity, busy)
         self._idle.discard(v.id)
         r.slot_id = v.id
         self._running[r.id] = r

@@ -75,20 +75,43 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
+# A prefix this close to the longest one counts as equal, so that the less busy group wins.
+NEAR_PREFIX = 0.9
+
+
 def choose_slot(
     idle: list[SlotView],
     prompt: np.ndarray,
     last_used: dict[int, float],
     similarity: float,
+    busy: dict[int, set[int]] | None = None,
 ) -> SlotView:
-    """Longest common prefix with the slot's cached tokens, else least recently used."""
+    """The slot for a new prompt.
+
+    Longest common prefix with the slot's cached tokens when it covers at least
+    ``similarity`` of the prompt; among near-equal prefixes (and when no prefix is good
+    enough) the group with fewer busy slots, so that the groups share the load at any
+    concurrency; then the slot that keeps the group's busy sequence ids consecutive (one
+    micro-batch per step, see engine/batching.py); then least recently used.
+    ``busy`` maps a group to the sequence ids of its busy slots.
+    """
     if not idle:
         raise ValueError("no idle slot")
-    best, best_lcp = None, 0
-    for v in idle:
-        lcp = common_prefix(v.cached_tokens, prompt)
-        if lcp > best_lcp:
-            best, best_lcp = v, lcp
-    if best is not None and len(prompt) and best_lcp / len(prompt) >= similarity:
-        return best
-    return min(idle, key=lambda v: (last_used.get(v.id, 0.0), v.id))
+    busy = busy or {}
+
+    def n_busy(v: SlotView) -> int:
+        return len(busy.get(v.group, ()))
+
+    def new_runs(v: SlotView) -> int:
+        seqs = busy.get(v.group, set())
+        return 1 - (v.seq_id - 1 in seqs) - (v.seq_id + 1 in seqs)
+
+    def rest(v: SlotView) -> tuple:
+        return (new_runs(v), last_used.get(v.id, 0.0), v.id)
+
+    lcp = {v.id: common_prefix(v.cached_tokens, prompt) for v in idle}
+    best = max(lcp.values())
+    if best > 0 and len(prompt) and best / len(prompt) >= similarity:
+        near = [v for v in idle if lcp[v.id] >= NEAR_PREFIX * best]
+        return min(near, key=lambda v: (n_busy(v), -lcp[v.id], *rest(v)))
+    return min(idle, key=lambda v: (n_busy(v), *rest(v)))

@@ -22,6 +22,7 @@ class ProfileSnapshot:
     steps: int = 0
     rows: int = 0  # sampled rows (generated tokens) over all steps
     batch_tokens: int = 0  # tokens decoded (prompt + generated)
+    ubatches: int = 0  # micro-batches llama.cpp cut the steps into (each reads all weights)
     busy_slots_sum: int = 0  # sum over steps of slots busy during the step
     kv_used: int = 0  # KV cells holding tokens after the last step
     kv_total: int = 0
@@ -47,7 +48,8 @@ class ProfileSnapshot:
         ms = 1000.0
         step = sum(getattr(self, p) for p in PHASES if p != "wait")
         return (
-            f"group {self.group}: {self.steps} steps, {self.rows / s:.1f} rows/step | per step ms: "
+            f"group {self.group}: {self.steps} steps, {self.rows / s:.1f} rows/step, "
+            f"{self.ubatches / s:.2f} ubatches/step | per step ms: "
             f"wait {self.wait / s * ms:.2f} batch {self.batch / s * ms:.2f} "
             f"decode {self.decode / s * ms:.2f} sync {self.sync / s * ms:.2f} "
             f"step {step / s * ms:.2f} | per token ms: sample {self.sample / r * ms:.3f} "
@@ -64,7 +66,7 @@ class GroupProfiler:
         self.group = group
         self.kv_total = kv_total
         self._acc = dict.fromkeys((*PHASES, "decode_cpu"), 0.0)
-        self._steps = self._rows = self._tokens = self._busy = 0
+        self._steps = self._rows = self._tokens = self._busy = self._ubatches = 0
         self.snapshot = ProfileSnapshot(group=group, kv_total=kv_total)
         self._log_every = log_every_s
         self._log_enabled = enabled_log
@@ -74,8 +76,9 @@ class GroupProfiler:
     def add(self, phase: str, seconds: float) -> None:
         self._acc[phase] += seconds
 
-    def end_step(self, rows: int, tokens: int, busy_slots: int, kv_used: int) -> None:
+    def end_step(self, rows: int, tokens: int, busy_slots: int, kv_used: int, ubatches: int) -> None:
         self._steps += 1
+        self._ubatches += ubatches
         self._rows += rows
         self._tokens += tokens
         self._busy += busy_slots
@@ -84,6 +87,7 @@ class GroupProfiler:
             steps=self._steps,
             rows=self._rows,
             batch_tokens=self._tokens,
+            ubatches=self._ubatches,
             busy_slots_sum=self._busy,
             kv_used=kv_used,
             kv_total=self.kv_total,

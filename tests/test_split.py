@@ -92,3 +92,24 @@ def test_local_first_order_is_possible_and_identical(make_engine, rpc_endpoint):
 def test_tensor_split_moves_layers(make_engine, rpc_endpoint):
     e = make_engine(n_parallel=2, rpc_endpoints=[rpc_endpoint], tensor_split=[1.0, 3.0])
     assert e.generate("hello", P).final.completion_tokens == 48
+
+
+def test_peer_layers_puts_exactly_that_many_layers_on_the_peer(make_engine, rpc_endpoint, model_path, caplog):
+    import re
+
+    from engine.native import Model
+
+    n_layer = Model.n_layer_of(model_path)
+    assert n_layer >= 3
+    with caplog.at_level(logging.DEBUG, logger="llama_cpp.native"):
+        make_engine(n_parallel=2, rpc_endpoints=[rpc_endpoint], peer_layers=n_layer - 2)
+    placed = dict(re.findall(r"layer +(\d+) assigned to device (\w+)", caplog.text))
+    # llama.cpp's own record of the placement; layer n_layer is the output layer
+    on_peer = sorted(int(i) for i, d in placed.items() if d.startswith("RPC"))
+    assert on_peer == list(range(n_layer - 2)), placed
+    assert placed[str(n_layer)] == "CPU"
+
+
+def test_peer_layers_refused_without_a_split(make_engine):
+    with pytest.raises(ValueError, match="peer_layers needs"):
+        make_engine(n_parallel=2, peer_layers=1)

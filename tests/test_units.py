@@ -61,8 +61,9 @@ def test_config_partition():
     assert EngineConfig(model="m", n_parallel=4, pipeline_groups=4, sample_threads=2).sample_threads_per_group() == 1
 
 
-def view(i: int, tokens: list[int]) -> SlotView:
-    return SlotView(i, 0, i, "idle", len(tokens), None, np.asarray(tokens, dtype=np.int32))
+def view(i: int, tokens: list[int], group: int = 0, seq_id: int | None = None) -> SlotView:
+    seq = i if seq_id is None else seq_id
+    return SlotView(i, group, seq, "idle", len(tokens), None, np.asarray(tokens, dtype=np.int32))
 
 
 def test_common_prefix():
@@ -90,6 +91,55 @@ def test_choose_slot_lru_when_prefix_below_similarity():
     assert choose_slot(views, prompt, {0: 9.0, 1: 1.0}, 0.1).id == 1
 
 
+def test_choose_slot_spreads_empty_slots_over_groups():
+    # two groups of four slots, nothing cached: the first request goes to group 0, the second
+    # to group 1 (not slot 1 of group 0 as lowest id or LRU order would have it)
+    views = [view(i, [], group=i // 4, seq_id=i % 4) for i in range(8)]
+    prompt = np.array([1, 2, 3], np.int32)
+    assert choose_slot(views, prompt, {}, 0.1, {}).id == 0
+    assert choose_slot(views[1:], prompt, {}, 0.1, {0: {0}}).group == 1
+
+
+def test_choose_slot_prefers_less_busy_group_among_near_equal_prefixes():
+    shared = list(range(100, 300))  # a 200-token system prompt cached everywhere
+    views = [view(1, shared + [5], group=0, seq_id=1), view(5, shared + [6], group=1, seq_id=1)]
+    prompt = np.asarray(shared + [7, 8, 9], np.int32)
+    assert choose_slot(views, prompt, {}, 0.1, {0: {0, 2}, 1: set()}).id == 5
+    assert choose_slot(views, prompt, {}, 0.1, {0: set(), 1: {0, 2}}).id == 1
+    # a much longer prefix still wins over balance
+    long_prompt = np.asarray(shared[:20] + [7, 8, 9], np.int32)
+    views2 = [view(1, shared[:20] + [7, 8], group=0, seq_id=1), view(5, shared[:5], group=1, seq_id=1)]
+    assert choose_slot(views2, long_prompt, {}, 0.1, {0: {0, 2}, 1: set()}).id == 1
+
+
+def test_choose_slot_keeps_busy_sequences_consecutive():
+    # group 0 runs sequences 0 and 2: sequence 1 joins them into one run; LRU would pick 3
+    views = [view(1, [], seq_id=1), view(3, [], seq_id=3)]
+    prompt = np.array([1, 2], np.int32)
+    assert choose_slot(views, prompt, {3: 0.0, 1: 9.0}, 0.1, {0: {0, 2}}).id == 1
+
+
+def _entries(spec: list[tuple[int, int]]) -> list:
+    from engine.batching import Entry
+
+    return [Entry(None, seq, 0, [0] * n, True) for seq, n in spec]
+
+
+def test_count_ubatches_follows_llama_cpp_split_rules():
+    from engine.batching import count_ubatches, order_entries
+
+    decode = _entries([(3, 1), (0, 1), (2, 1), (1, 1)])  # the order slots became busy
+    assert count_ubatches(decode, 512, unified=False) == 3  # [3], [0] ... cut at every descent
+    assert count_ubatches(order_entries(decode), 512, unified=False) == 1
+    gap = order_entries(_entries([(0, 1), (1, 1), (3, 1), (4, 1)]))
+    assert count_ubatches(gap, 512, unified=False) == 2  # a free sequence id splits the run
+    assert count_ubatches(gap, 512, unified=True) == 1
+    # a prompt chunk beside decode rows: one token rides with them, the rest is its own ubatch
+    mixed = order_entries(_entries([(0, 1), (1, 40), (2, 1)]))
+    assert count_ubatches(mixed, 512, unified=False) == 2
+    assert count_ubatches(_entries([(0, 600)]), 512, unified=True) == 2
+
+
 def test_app_args_refuse_unsafe_rpc_bind_and_bad_groups():
     from deployments.app import AppArgs, RpcArgs
 
@@ -102,3 +152,23 @@ def test_app_args_refuse_unsafe_rpc_bind_and_bad_groups():
         AppArgs(unknown_key=1)
     cfg = AppArgs(n_parallel=8, pipeline_groups=2, rpc={"port": 50999}).engine_config(["127.0.0.1:50999"])
     assert cfg.rpc_endpoints == ["127.0.0.1:50999"] and cfg.n_slots_per_group == 4
+
+
+def test_sse_events_encode_as_openai_chunks():
+    import json as _json
+
+    from deployments.ingress import SseEvents
+
+    for kind in ("completion", "chat"):
+        ev = SseEvents("id-1", kind, "m", include_usage=True)
+        raw = ev.chunk('a "quoted" é\n', None)
+        assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
+        d = _json.loads(raw[6:])
+        assert d["id"] == "id-1" and d["model"] == "m" and d["usage"] is None
+        c = d["choices"][0]
+        assert c["finish_reason"] is None and c["index"] == 0
+        text = c["delta"]["content"] if kind == "chat" else c["text"]
+        assert text == 'a "quoted" é\n'
+        assert d["object"] == ("chat.completion.chunk" if kind == "chat" else "text_completion")
+        last = _json.loads(ev.chunk("x", "stop")[6:])
+        assert last["choices"][0]["finish_reason"] == "stop"

@@ -1,0 +1,58 @@
+"""CPU seconds of every process on the box, by role, so a cell can report CPU per token.
+
+Roles come from the command line Ray and the project give each process: the Serve proxy,
+the ingress and engine replicas, the RPC stage, Ray's own daemons, llama-server and its
+rpc-server, and the benchmark's load client (this process). Linux only (/proc).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from observability.process import cpu_seconds
+
+ROLES = (
+    ("ray::ProxyActor", "serve proxy"),
+    ("ServeReplica:", "replica"),  # split below by deployment name
+    ("ray::ServeController", "serve controller"),
+    ("cluster.rpc_server", "rpc stage"),
+    ("rpc-server", "rpc stage"),
+    ("llama-server", "llama-server"),
+    ("raylet", "ray daemons"),
+    ("gcs_server", "ray daemons"),
+    ("ray/", "ray daemons"),  # dashboard agent, log monitor, runtime-env agent
+    ("ray::", "ray workers"),
+)
+
+
+def _role(cmd: str) -> str | None:
+    for needle, role in ROLES:
+        if needle in cmd:
+            if role == "replica":
+                return "engine replica" if ":engine" in cmd else "ingress replica"
+            return role
+    return None
+
+
+def snapshot() -> dict[str, float]:
+    """CPU seconds so far per role (processes that exited since the last call are lost)."""
+    out: dict[str, float] = {"load client": cpu_seconds(os.getpid())}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        role = _role(cmd)
+        if role is not None:
+            out[role] = out.get(role, 0.0) + cpu_seconds(int(d.name))
+    return out
+
+
+def per_token_ms(before: dict[str, float], after: dict[str, float], n_tokens: int) -> dict[str, float]:
+    """Milliseconds of CPU per generated token for each role, between two snapshots."""
+    n = max(n_tokens, 1)
+    return {k: round(1000 * (after.get(k, 0.0) - before.get(k, 0.0)) / n, 3) for k in sorted(after)
+            if after.get(k, 0.0) - before.get(k, 0.0) > 0}

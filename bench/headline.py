@@ -1,0 +1,170 @@
+"""The benchmark a person runs (``make bench``): this project against llama-server, side by side.
+
+One model, one split, one load, one run: upstream llama-server with rpc-server (both layer
+orders it can be given), then this project over HTTP with one and two pipeline groups, each
+unpinned and pinned (the peer stage on core 0, the local stage's compute on core 1, so
+each stage has a "machine" of its own and everything else floats), then partial load: 8
+and 16 clients on 32 slots with a shared 200-token system prefix. Every cell runs its load
+twice on the same server (the second repetition shows decay) and reports tokens/s, TPOT,
+TTFT, the CPU milliseconds per generated token of every process, and the micro-batches
+llama.cpp cut each step into. Writes ``bench/results/latest.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench import cpu
+from bench.clients import make_prompts, run_http
+from bench.llama_server import LlamaServer
+from engine.synthetic_model import ModelShape, write_model
+
+log = logging.getLogger("bench")
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = ModelShape(n_layer=8, n_embd=1024, n_head=16, n_head_kv=8, n_ff=2816, n_vocab=32000, seed=11)
+MODEL = ROOT / "models" / "bench-8L-1024d-32000v-f16.gguf"
+# 5 layers on the peer, 3 and the output layer on the local node
+N_PEER = 5
+SLOTS = 32
+N_PROMPT, N_GEN = 56, 32
+PREFIX = 200
+LS_PORT, LS_RPC_PORT = 8767, 50173
+PEER_CPUS, LOCAL_CPUS = [0], [1]
+
+
+@dataclass(frozen=True)
+class Cell:
+    system: str  # "llama-server" | "pipeline-groups"
+    groups: int = 1  # pipeline groups (llama-server: 1)
+    output_local: bool = True  # llama-server only: the project's layer order
+    pinned: bool = False
+    clients: int = SLOTS
+    requests_per_client: int = 4
+    shared_prefix: int = 0
+
+    @property
+    def n_prompt(self) -> int:
+        return N_PROMPT + self.shared_prefix
+
+    @property
+    def n_ctx(self) -> int:
+        per_slot = 256 if self.n_prompt + N_GEN <= 256 else 512
+        return SLOTS * per_slot
+
+    @property
+    def name(self) -> str:
+        if self.system == "llama-server":
+            what = "llama-server, output " + ("local" if self.output_local else "on peer")
+        else:
+            what = f"pipeline-groups, groups {self.groups}"
+        load = f"{self.clients} clients" + (f", {self.shared_prefix}-token shared prefix" if self.shared_prefix else "")
+        return f"{what}, {'pinned' if self.pinned else 'unpinned'}, {load}"
+
+
+def cells() -> list[Cell]:
+    ls, pg = Cell("llama-server"), Cell("pipeline-groups")
+    out = [replace(ls, output_local=False), ls, pg, replace(pg, groups=2)]
+    out += [replace(c, pinned=True) for c in (ls, pg, replace(pg, groups=2))]
+    for n in (8, 16):
+        part = {"clients": n, "requests_per_client": 8, "shared_prefix": PREFIX}
+        out += [replace(ls, **part), replace(pg, **part), replace(pg, groups=2, **part)]
+    return out
+
+
+def _metric_sums(base: str) -> dict[str, float]:
+    text = httpx.get(base + "/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def _load(base: str, c: Cell, seed: int):
+    prompts = make_prompts(c.clients * c.requests_per_client, c.n_prompt, seed=seed, shared_prefix=c.shared_prefix)
+    return run_http(base, prompts, c.clients, N_GEN)
+
+
+def measure(base: str, c: Cell, ours: bool) -> dict:
+    """Warm up, then the load twice; figures of each repetition."""
+    run_http(base, make_prompts(4, 8, seed=99), 4, 4)
+    reps = []
+    for rep in range(2):
+        m0 = _metric_sums(base) if ours else {}
+        c0 = cpu.snapshot()
+        res = _load(base, c, seed=rep)
+        c1 = cpu.snapshot()
+        f = res.figures()
+        n_tok = sum(t.n_tokens for t in res.timings if t.ok)
+        f["cpu_ms_per_token"] = cpu.per_token_ms(c0, c1, n_tok)
+        stage = f["cpu_ms_per_token"].get("rpc stage", 0.0)
+        if ours:
+            m1 = _metric_sums(base)
+            d = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}
+            steps = d.get("pgroups_group_decode_steps_total", 0) or 1
+            f["ubatches_per_step"] = round(d.get("pgroups_group_ubatches_total", 0) / steps, 2)
+            f["rows_per_step"] = round(d.get("pgroups_group_sampled_rows_total", 0) / steps, 1)
+            local = 1000 * d.get("pgroups_group_decode_cpu_seconds_total", 0) / max(n_tok, 1)
+            f["cpu_ms_per_token"]["local stage (in engine replica)"] = round(local, 3)
+            stage += local
+        else:
+            stage += f["cpu_ms_per_token"].get("llama-server", 0.0)  # its host path included
+        f["stage_cpu_ms_per_token"] = round(stage, 3)
+        reps.append(f)
+        log.warning("%s, repetition %d: %s", c.name, rep + 1, f)
+    return {**c.__dict__, "name": c.name, "reps": reps, "tok_s": reps[0]["tok_s"],
+            "tok_s_rep2": reps[1]["tok_s"], "ttft_median_s": reps[0]["ttft_median_s"],
+            "tpot_ms": reps[0]["tpot_ms"], "stage_cpu_ms_per_token": reps[0]["stage_cpu_ms_per_token"],
+            "errors": sum(r["errors"] for r in reps)}
+
+
+def run_llama_server(c: Cell) -> dict:
+    srv = LlamaServer(MODEL, n_layer=SHAPE.n_layer, n_peer=N_PEER, output_local=c.output_local, slots=SLOTS,
+                      n_ctx=c.n_ctx, port=LS_PORT, rpc_port=LS_RPC_PORT,
+                      peer_cpus=PEER_CPUS if c.pinned else None, local_cpus=LOCAL_CPUS if c.pinned else None)
+    try:
+        return measure(srv.base, c, ours=False)
+    finally:
+        srv.close()
+
+
+def run_ours(stack, c: Cell) -> dict:  # noqa: ANN001 - bench.run.HttpStack
+    stack.deploy({
+        "model": str(MODEL), "n_ctx": c.n_ctx, "n_parallel": SLOTS, "pipeline_groups": c.groups,
+        "n_threads": 1, "devices": ["RPC0", "CPU"], "peer_layers": N_PEER,
+        "n_batch": 512, "max_queued_requests": 4096, "local_cpus": LOCAL_CPUS if c.pinned else None,
+        "rpc": {"port": 50174, "threads": 1, "cpus": PEER_CPUS if c.pinned else None},
+    })
+    return measure(stack.base, c, ours=True)
+
+
+def main(out: Path, only: str | None = None) -> list[dict]:
+    from bench.run import HttpStack
+
+    if not MODEL.exists():
+        write_model(MODEL, SHAPE)
+    todo = [c for c in cells() if only is None or only in c.name]
+    t0 = time.monotonic()
+    results = [run_llama_server(c) for c in todo if c.system == "llama-server"]
+    ours = [c for c in todo if c.system == "pipeline-groups"]
+    if ours:
+        stack = HttpStack()
+        try:
+            results += [run_ours(stack, c) for c in ours]
+        finally:
+            stack.close()
+    meta = {"machine": f"{os.cpu_count()} cores, {os.uname().machine}", "model": MODEL.name,
+            "shape": SHAPE.__dict__, "split": f"{N_PEER} layers on the peer, {SHAPE.n_layer - N_PEER} and the output local",
+            "n_prompt": N_PROMPT, "n_gen": N_GEN, "slots": SLOTS, "wall_s": round(time.monotonic() - t0, 1),
+            "command": "make bench" + (f" BENCH_ARGS='--only \"{only}\"'" if only else "")}
+    from bench.report import write_headline
+
+    print(write_headline(results, meta, out))
+    return results
