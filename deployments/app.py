@@ -14,11 +14,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import EngineConfig
+from engine.models import DEFAULT_MODEL, ensure_default_model
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = REPO_ROOT / "models" / "default.gguf"
 LOCAL_RESOURCE = "stage_local"
 PEER_RESOURCE = "stage_peer"
 
@@ -67,7 +66,7 @@ class AppArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(default=str(DEFAULT_MODEL), description="GGUF file on the local node [-m]; default: the synthetic demo model.")
+    model: str = Field(default=str(DEFAULT_MODEL), description="GGUF file on the local node [-m]; default: Gemma 3 270M (`make model`).")
     model_alias: str | None = Field(default=None, description="Model name the API reports and accepts [--alias].")
     n_ctx: int = Field(default=4096, ge=16, description="Total context, divided over the slots [-c].")
     n_parallel: int = Field(default=8, ge=1, description="Slots [--parallel].")
@@ -83,6 +82,10 @@ class AppArgs(BaseModel):
     tensor_split: list[float] | None = Field(default=None, description="Share of the layers per device, in device order [-ts].")
     peer_layers: int | None = EngineConfig.model_fields["peer_layers"]
     kv_unified: bool = EngineConfig.model_fields["kv_unified"]
+    swa_full: bool = EngineConfig.model_fields["swa_full"]
+    flash_attn: bool | None = EngineConfig.model_fields["flash_attn"]
+    chat_template: str | None = EngineConfig.model_fields["chat_template"]
+    chat_template_file: str | None = EngineConfig.model_fields["chat_template_file"]
     local_cpus: list[int] | None = EngineConfig.model_fields["local_cpus"]
     n_gpu_layers: int = Field(default=-1, description="Layers on devices, -1 all [-ngl].")
     rpc: RpcArgs | None = Field(default=None, description="The peer stage [--rpc]; absent or disabled: no split.")
@@ -122,6 +125,10 @@ class AppArgs(BaseModel):
             tensor_split=self.tensor_split,
             peer_layers=self.peer_layers,
             kv_unified=self.kv_unified,
+            swa_full=self.swa_full,
+            flash_attn=self.flash_attn,
+            chat_template=self.chat_template,
+            chat_template_file=self.chat_template_file,
             local_cpus=self.local_cpus,
             cache_prompt=self.cache_prompt,
             slot_prompt_similarity=self.slot_prompt_similarity,
@@ -141,10 +148,10 @@ def _has_resource(name: str) -> bool:
 
 
 def _ensure_model(path: str) -> None:
-    if Path(path) == DEFAULT_MODEL and not DEFAULT_MODEL.exists():
-        from engine.synthetic_model import write_model
-
-        write_model(DEFAULT_MODEL)
+    if Path(path) == DEFAULT_MODEL:
+        ensure_default_model(DEFAULT_MODEL)
+    elif not Path(path).is_file():
+        raise FileNotFoundError(f"model file not found: {path}")
 
 
 def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application

@@ -122,7 +122,7 @@ class EngineDeployment:
             if kind == "chat":
                 req = ChatCompletionRequest.model_validate(body)
                 prompt: str | list[int] = self.engine.tokenizer.apply_chat_template(
-                    req.template_messages()
+                    req.template_messages(), kwargs=req.chat_template_kwargs
                 )
                 params = req.sampling(self._default_max_tokens(), req.max_completion_tokens)
             else:
@@ -146,7 +146,8 @@ class EngineDeployment:
         return {"prompt_tokens": len(r.prompt_tokens), "n_predict": r.n_predict}
 
     def _default_max_tokens(self) -> int:
-        return min(256, self.engine.n_ctx_slot)
+        # OpenAI's meaning of a missing max_tokens: until the slot's context is full
+        return self.engine.n_ctx_slot
 
     async def cancel(self, request_id: str) -> bool:
         return self.engine.cancel(request_id)

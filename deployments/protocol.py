@@ -140,6 +140,9 @@ class ChatCompletionRequest(_Common):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="Extra variables for the chat template, e.g. {\"enable_thinking\": false}."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:

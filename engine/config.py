@@ -65,6 +65,23 @@ class EngineConfig(BaseModel):
         "run of consecutive busy sequence ids. On: one micro-batch per step, but every row "
         "attends over the cells of all the group's slots (costly at long contexts).",
     )
+    flash_attn: bool | None = Field(
+        default=None, description="Flash attention on or off; None lets llama.cpp decide per device [-fa]."
+    )
+    swa_full: bool = Field(
+        default=False,
+        description="Keep the full context in the KV of sliding-window layers [--swa-full]. Off (as "
+        "llama-server): those layers keep only their window, and a reused prefix that reaches "
+        "before the window is evaluated again.",
+    )
+    chat_template: str | None = Field(
+        default=None,
+        description="A llama.cpp built-in template name (chatml, gemma, llama3...) or Jinja source "
+        "[--chat-template]. None: the GGUF's template, else chatml.",
+    )
+    chat_template_file: str | None = Field(
+        default=None, description="A Jinja chat template file; wins over chat_template [--chat-template-file]."
+    )
     cache_prompt: bool = Field(
         default=True, description="Reuse the common prefix of a slot's cached tokens for a new prompt."
     )

@@ -75,7 +75,7 @@ class Engine:
             tensor_split=layer_split(config, self.devices),
         )
         self.model_name = config.model_alias or Path(config.model).name
-        self.tokenizer = Tokenizer(self.model)
+        self.tokenizer = Tokenizer(self.model, config.chat_template, config.chat_template_file)
         self.groups: list[PipelineGroup] = []
         per = config.n_slots_per_group
         self.slots = [Slot(id=i, group=i // per, seq_id=i % per) for i in range(config.n_parallel)]

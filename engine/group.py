@@ -89,6 +89,8 @@ class PipelineGroup:
             n_ubatch=config.n_ubatch,
             n_threads=config.local_threads(),
             kv_unified=config.kv_unified,
+            swa_full=config.swa_full,
+            flash_attn=config.flash_attn,
         )
         self.n_ctx_slot = self.ctx.n_ctx_seq
         self.batch = Batch(n_batch)
@@ -212,6 +214,9 @@ class PipelineGroup:
         if self.config.cache_prompt and s.cache_tokens:
             n_keep = common_prefix(np.asarray(s.cache_tokens, np.int32), np.asarray(tokens, np.int32))
         n_keep = min(n_keep, len(tokens) - 1)  # the last prompt token is always evaluated
+        if n_keep > 0 and self.ctx.seq_pos_min(s.seq_id) > max(0, n_keep - self.model.n_swa):
+            # sliding-window layers dropped positions the reused prefix would attend over
+            n_keep = 0
         if n_keep < len(s.cache_tokens):
             if not self.ctx.seq_rm(s.seq_id, n_keep, -1):
                 self.ctx.seq_rm(s.seq_id, 0, -1)
@@ -219,7 +224,9 @@ class PipelineGroup:
             del s.cache_tokens[n_keep:]
         s.req = r
         backend = self.config.backend_sampling
-        s.sampler = SamplerChain(r.params, self.n_vocab, self.config.seed, force_chain=backend)
+        s.sampler = SamplerChain(r.params, self.n_vocab, self.config.seed, force_chain=backend,
+                                 banned=self.tok.eog_tokens if r.params.ignore_eos else ())
+        s.sampler.accept_prompt(tokens)
         if backend and s.sampler.offloadable:
             s.on_backend = self.ctx.set_sampler(s.seq_id, s.sampler.ptr)
         s.text = TextStream(r.params.stop)
@@ -348,11 +355,11 @@ class PipelineGroup:
         if s.n_generated == 1:
             s.t_first_token = time.monotonic()
             s.state = SlotState.GENERATING
-        if not r.params.ignore_eos and self.tok.is_eog(tok):
+        if self.tok.is_eog(tok):  # never with ignore_eos: the sampler bans these tokens then
             prof.add("detok", time.perf_counter() - t0)
             # the end-of-generation token is not text; what was held back is
             return self._finish(s, "stop", s.text.flush(), counted=True)
-        piece = self.tok.piece(tok)
+        piece = self.tok.piece(tok, special=False)
         t1 = time.perf_counter()
         prof.add("detok", t1 - t0)
         text = s.text.feed(piece)

@@ -234,22 +234,19 @@ class Model:
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.ptr)
         self.n_layer = llama_cpp.llama_model_n_layer(self.ptr)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+        self.n_swa = int(llama_cpp.llama_model_n_swa(self.ptr))  # 0 without sliding-window layers
         self.eos = llama_cpp.llama_vocab_eos(self.vocab)
         self.size_bytes = llama_cpp.llama_model_size(self.ptr)
 
     @staticmethod
     def n_layer_of(path: str) -> int:
-        """The layer count of a GGUF file, read without loading its weights."""
-        init_backend()
-        params = llama_cpp.llama_model_default_params()
-        params.vocab_only = True
-        ptr = llama_cpp.llama_model_load_from_file(path.encode(), params)
-        if not ptr:
-            raise NativeError(f"failed to read {path}")
-        try:
-            return int(llama_cpp.llama_model_n_layer(ptr))
-        finally:
-            llama_cpp.llama_model_free(ptr)
+        """The layer count of a GGUF file, read from its metadata without loading weights."""
+        from gguf import GGUFReader
+
+        r = GGUFReader(path)
+        arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+        f = r.fields[f"{arch}.block_count"]
+        return int(f.parts[f.data[0]][0])
 
     def chat_template(self) -> str | None:
         t = llama_cpp.llama_model_chat_template(self.ptr, None)
@@ -280,6 +277,7 @@ class Context:
         n_ubatch: int,
         n_threads: int,
         kv_unified: bool = False,
+        swa_full: bool = False,
         flash_attn: bool | None = None,
         cb_eval: object | None = None,
     ) -> None:
@@ -292,6 +290,7 @@ class Context:
         p.n_threads = n_threads
         p.n_threads_batch = n_threads
         p.kv_unified = kv_unified
+        p.swa_full = swa_full
         p.no_perf = True
         if flash_attn is not None:
             p.flash_attn_type = 1 if flash_attn else 0
@@ -340,6 +339,9 @@ class Context:
 
     def seq_rm(self, seq_id: int, p0: int, p1: int = -1) -> bool:
         return bool(llama_cpp.llama_memory_seq_rm(self.memory, seq_id, p0, p1))
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        return int(llama_cpp.llama_memory_seq_pos_min(self.memory, seq_id))
 
     def seq_pos_max(self, seq_id: int) -> int:
         return int(llama_cpp.llama_memory_seq_pos_max(self.memory, seq_id))

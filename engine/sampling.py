@@ -114,20 +114,25 @@ class SamplerChain:
     """Owns the llama_sampler chain of one request."""
 
     def __init__(
-        self, params: SamplingParams, n_vocab: int, default_seed: int = -1, force_chain: bool = False
+        self,
+        params: SamplingParams,
+        n_vocab: int,
+        default_seed: int = -1,
+        force_chain: bool = False,
+        banned: list[int] | tuple[int, ...] = (),
     ) -> None:
+        """``banned`` tokens are never sampled (``ignore_eos`` bans every end-of-generation token)."""
         self.params = params
         self.n_vocab = n_vocab
+        self.banned = np.asarray([t for t in banned if t < n_vocab], dtype=np.int64)
+        self.penalised = (
+            params.repeat_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+        )
         # backend sampling needs a real chain, also for plain greedy
         self.greedy = params.is_plain_greedy and not force_chain
         # llama.cpp runs top-k, top-p, min-p, temperature, dist and greedy in the graph;
-        # penalties and logit biases need the host
-        self.offloadable = (
-            not params.logit_bias
-            and params.repeat_penalty == 1.0
-            and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0
-        )
+        # penalties, logit biases and banned tokens need the host
+        self.offloadable = not params.logit_bias and not self.penalised and not len(self.banned)
         seed = params.seed
         if seed is None:
             seed = default_seed if default_seed >= 0 else random.randrange(0, 2**32 - 1)
@@ -142,17 +147,15 @@ class SamplerChain:
             raise RuntimeError("llama_sampler_chain_init failed")
         self.ptr = chain
         add = llama_cpp.llama_sampler_chain_add
-        if params.logit_bias:
-            items = [(t, b) for t, b in params.logit_bias.items() if t < n_vocab]
+        bias = {t: b for t, b in params.logit_bias.items() if t < n_vocab}
+        bias.update((int(t), float("-inf")) for t in self.banned)
+        if bias:
+            items = list(bias.items())
             arr = (llama_cpp.llama_logit_bias * len(items))(
                 *[llama_cpp.llama_logit_bias(token=t, bias=b) for t, b in items]
             )
             add(chain, llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(items), arr))
-        if (
-            params.repeat_penalty != 1.0
-            or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0
-        ):
+        if self.penalised:
             last_n = params.repeat_last_n if params.repeat_last_n >= 0 else 4096
             add(
                 chain,
@@ -177,6 +180,9 @@ class SamplerChain:
     def sample(self, row: np.ndarray) -> int:
         """Pick the next token from one row of logits (any thread; one row at a time)."""
         if self.greedy:
+            if len(self.banned):
+                row = row.copy()
+                row[self.banned] = -np.inf
             return int(np.argmax(row))
         cand = thread_candidates(self.n_vocab)
         ref = cand.fill(row)
@@ -185,6 +191,13 @@ class SamplerChain:
         if s.selected < 0 or s.selected >= s.size:
             raise RuntimeError("sampler chain selected no token")
         return int(s.data[s.selected].id)
+
+    def accept_prompt(self, tokens: list[int]) -> None:
+        """Penalties count the prompt's tokens too, as llama-server's sampler does."""
+        if self.ptr is not None and self.penalised:
+            last_n = self.params.repeat_last_n if self.params.repeat_last_n >= 0 else len(tokens)
+            for t in tokens[-last_n:] if last_n else ():
+                llama_cpp.llama_sampler_accept(self.ptr, t)
 
     def accept(self, token: int) -> None:
         if self.ptr is not None:

@@ -180,7 +180,7 @@ def write_model(path: str | os.PathLike[str], shape: ModelShape = ModelShape()) 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="models/default.gguf")
+    p.add_argument("--out", default="models/synthetic.gguf")
     p.add_argument("--if-absent", action="store_true", help="do nothing if the file exists")
     d = ModelShape()
     for field in ("n_layer", "n_embd", "n_head", "n_head_kv", "n_ff", "n_vocab", "n_ctx_train", "seed"):

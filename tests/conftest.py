@@ -3,23 +3,25 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from cluster.rpc_stage import port_listening
 from engine import Engine, EngineConfig
+from engine.models import ensure_synthetic_model
 from engine.synthetic_model import ModelShape, write_model
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = REPO / "models" / "default.gguf"
-
-
+RPC_PORT = 50161
 @pytest.fixture(scope="session")
 def model_path() -> str:
-    if not DEFAULT_MODEL.exists():
-        write_model(DEFAULT_MODEL)
-    return str(DEFAULT_MODEL)
+    """The synthetic model: exact shapes, fast, and peaked logits that keep greedy stable."""
+    return str(ensure_synthetic_model())
 
 
 @pytest.fixture
@@ -48,6 +50,22 @@ def q8_model(tmp_path_factory: pytest.TempPathFactory, small_shape: ModelShape) 
     path = tmp_path_factory.mktemp("models") / "q8.gguf"
     shape = ModelShape(**{**small_shape.__dict__, "ftype": "q8_0"})
     return str(write_model(path, shape))
+
+
+@pytest.fixture(scope="module")
+def rpc_endpoint() -> Iterator[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.rpc_server", "--host", "127.0.0.1", "--port", str(RPC_PORT), "--threads", "1"],
+        stdout=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while not port_listening(RPC_PORT):
+        assert proc.poll() is None, "rpc server exited"
+        assert time.monotonic() < deadline, "rpc server did not start"
+        time.sleep(0.1)
+    yield f"127.0.0.1:{RPC_PORT}"
+    proc.kill()
+    proc.wait()
 
 
 def cpu_count() -> int:

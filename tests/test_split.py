@@ -10,39 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cluster.rpc_stage import port_listening
 from engine import SamplingParams
 
 log = logging.getLogger(__name__)
 
-PORT = 50161
 PROMPTS = [f"the {w} of the pipeline node number {i} said" for i, w in enumerate(
     ["king", "queen", "dog", "cat", "tree", "house", "water", "fire"])]
 P = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def rpc_endpoint() -> Iterator[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.rpc_server", "--host", "127.0.0.1", "--port", str(PORT), "--threads", "1"],
-        stdout=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while not port_listening(PORT):
-        assert proc.poll() is None, "rpc server exited"
-        assert time.monotonic() < deadline, "rpc server did not start"
-        time.sleep(0.1)
-    yield f"127.0.0.1:{PORT}"
-    proc.kill()
-    proc.wait()
 
 
 def outputs(engine) -> list[str]:

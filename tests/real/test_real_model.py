@@ -1,0 +1,192 @@
+"""A real GGUF end to end: the tokens llama.cpp gives, chat templates, BOS, sliding windows."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import llama_cpp
+import pytest
+
+from engine import RequestError, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Here is a short poem about the sea:",
+    "def fibonacci(n):",
+    "Water boils at a temperature of",
+    "The three primary colors are",
+]
+N_GEN = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=N_GEN, ignore_eos=True)
+N_CTX_SLOT = 1024
+
+
+@pytest.fixture(scope="module")
+def oracle(gemma_path: str) -> dict[str, tuple[int, str]]:
+    """llama-cpp-python's own ``Llama`` on the same GGUF and per-sequence geometry: prompt
+    token count and greedy text for each prompt."""
+    llm = llama_cpp.Llama(gemma_path, n_ctx=N_CTX_SLOT, n_batch=512, n_threads=2, flash_attn=False,
+                          swa_full=False, verbose=False)
+    out = {}
+    try:
+        for p in PROMPTS:
+            toks = llm.tokenize(p.encode(), add_bos=True, special=True)
+            gen = []
+            for t in llm.generate(toks, temp=0.0, top_k=1, reset=True):
+                if len(gen) == N_GEN:
+                    break
+                gen.append(t)
+            text = b"".join(llm.detokenize([t], special=False) for t in gen).decode("utf-8", "replace")
+            out[p] = (len(toks), text)
+    finally:
+        llm.close()
+    return out
+
+
+def _run(engine) -> dict[str, tuple[int, str]]:
+    def one(p: str) -> tuple[int, str]:
+        c = engine.generate(p, GREEDY)
+        return c.final.prompt_tokens, c.text
+
+    return {p: one(p) for p in PROMPTS}
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_greedy_text_equals_llama_cpp(make_gemma, oracle, groups):
+    # requests one at a time: llama.cpp's greedy output is not batch-invariant
+    e = make_gemma(n_parallel=2 * groups, n_ctx=2 * groups * N_CTX_SLOT, pipeline_groups=groups, cache_prompt=False)
+    got = _run(e)
+    assert got == oracle
+    assert all(len(text) > 10 for _, text in got.values())
+
+
+def test_greedy_text_equals_llama_cpp_over_the_rpc_split(make_gemma, oracle, rpc_endpoint):
+    e = make_gemma(n_parallel=2, n_ctx=2 * N_CTX_SLOT, pipeline_groups=2, cache_prompt=False,
+                   rpc_endpoints=[rpc_endpoint], peer_layers=9)
+    assert _run(e) == oracle
+
+
+def test_concurrent_requests_all_speak_english(make_gemma):
+    e = make_gemma(n_parallel=4, n_ctx=4 * N_CTX_SLOT, pipeline_groups=2)
+    with ThreadPoolExecutor(4) as ex:
+        texts = list(ex.map(lambda p: e.generate(p, GREEDY).text, PROMPTS[:4]))
+    assert "Paris" in texts[0]
+    assert all(sum(c.isalpha() for c in t) > len(t) / 2 for t in texts)
+
+
+# ---- chat templates and BOS ------------------------------------------------------------------
+
+
+def test_no_template_in_the_gguf_falls_back_to_chatml(make_gemma):
+    e = make_gemma(n_parallel=1, n_ctx=N_CTX_SLOT)
+    assert e.model.chat_template() is None
+    text = e.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_builtin_template_by_name(make_gemma):
+    e = make_gemma(n_parallel=1, n_ctx=N_CTX_SLOT, chat_template="gemma")
+    text = e.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    assert text.startswith("<start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n")
+    assert text.endswith("<start_of_turn>model\n")
+    r = e.make_request(text, GREEDY)
+    # the built-in template's markers are single special tokens, not text
+    assert e.tokenizer.encode("<start_of_turn>", add_special=False) == r.prompt_tokens[1:2]
+
+
+def test_template_that_writes_bos_gives_one_bos(make_gemma, tmp_path):
+    tmpl = tmp_path / "t.jinja"
+    tmpl.write_text("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    e = make_gemma(n_parallel=1, n_ctx=N_CTX_SLOT, chat_template_file=str(tmpl))
+    bos = llama_cpp.llama_vocab_bos(e.model.vocab)
+    r = e.make_request(e.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]), GREEDY)
+    assert r.prompt_tokens[0] == bos and r.prompt_tokens[1] != bos
+
+
+def test_jinja_renders_as_hugging_face(make_gemma):
+    src = (
+        "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+        "{{ m['role'] }}={{ m['content'] | tojson }};{% endfor %}"
+        "{% if tools %}tools={{ tools | tojson }};{% endif %}"
+        "{% if enable_thinking is defined and not enable_thinking %}nothink;{% endif %}"
+        "{{ strftime_now('%Y') | length }}"
+        "{% if messages | length > 3 %}{{ raise_exception('too many') }}{% endif %}"
+    )
+    e = make_gemma(n_parallel=1, n_ctx=N_CTX_SLOT, chat_template=src)
+    msgs = [{"role": "user", "content": "é"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    out = e.tokenizer.apply_chat_template(msgs, tools=[{"type": "function"}], kwargs={"enable_thinking": False})
+    assert out == 'user="é";assistant="b";tools=' + json.dumps([{"type": "function"}]) + ";nothink;4"
+    with pytest.raises(ValueError, match="too many"):
+        e.tokenizer.apply_chat_template(msgs * 2)
+
+
+def test_unknown_template_name_is_refused(make_gemma):
+    with pytest.raises(ValueError, match="neither Jinja nor a llama.cpp built-in"):
+        make_gemma(n_parallel=1, n_ctx=N_CTX_SLOT, chat_template="no-such-template")
+
+
+# ---- sliding windows -----------------------------------------------------------------------------
+
+
+def test_prefix_reuse_never_attends_over_dropped_window(make_gemma):
+    """Gemma 3's window is 512: after an 800-token prompt, a prompt sharing its first 700
+    tokens cannot reuse them (the window layers dropped positions 0..~290); it must give
+    what a fresh evaluation gives."""
+    e = make_gemma(n_parallel=1, n_ctx=2048)
+    assert e.model.n_swa == 512
+    words = ("river stone cloud bread lamp music forest window garden letter " * 100).split()
+    long_a = " ".join(words[:780]) + " and then the story ended with"
+    long_b = " ".join(words[:700]) + " but the cat said that"
+    a = e.generate(long_a, GREEDY)
+    assert a.final.prompt_tokens > 700
+    b = e.generate(long_b, GREEDY)
+    assert b.final.cached_tokens == 0  # reprocessed: the window cache cannot serve the prefix
+    fresh = make_gemma(n_parallel=1, n_ctx=2048, cache_prompt=False)
+    assert fresh.generate(long_b, GREEDY).text == b.text
+    # a prompt that continues the whole cached one still reuses it
+    c = e.generate(long_b + " and", GREEDY)
+    assert c.final.cached_tokens > 600
+
+
+# ---- generation semantics ------------------------------------------------------------------------
+
+
+def test_ignore_eos_never_emits_end_of_generation(make_gemma):
+    e = make_gemma(n_parallel=1, n_ctx=N_CTX_SLOT)
+    eog = e.tokenizer.eog_tokens
+    assert eog
+    # push the model toward an end-of-generation token; ignore_eos must still forbid it
+    bias = {t: 50.0 for t in eog[:8]}
+    for params in (SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logit_bias=bias),
+                   SamplingParams(temperature=0.7, seed=3, max_tokens=16, ignore_eos=True, logit_bias=bias)):
+        c = e.generate("The end.", params)
+        assert c.final.finish_reason == "length" and c.final.completion_tokens == 16
+        assert "<eos>" not in c.text and "<end_of_turn>" not in c.text
+    stopped = e.generate("The end.", SamplingParams(temperature=0, max_tokens=16, logit_bias=bias))
+    assert stopped.final.finish_reason == "stop" and stopped.final.completion_tokens == 1
+
+
+def test_special_tokens_are_not_rendered_into_text(make_gemma):
+    e = make_gemma(n_parallel=1, n_ctx=N_CTX_SLOT)
+    sot = e.tokenizer.encode("<start_of_turn>", add_special=False, parse_special=True)
+    assert len(sot) == 1 and not e.tokenizer.is_eog(sot[0])
+    c = e.generate("Hello", SamplingParams(temperature=0, max_tokens=4, logit_bias={sot[0]: 100.0}))
+    assert c.final.completion_tokens == 4
+    assert "<start_of_turn>" not in c.text
+
+
+def test_repetition_penalty_sees_the_prompt(make_gemma):
+    e = make_gemma(n_parallel=1, n_ctx=N_CTX_SLOT)
+    prompt = "apple apple apple apple apple apple apple apple"
+    plain = e.generate(prompt, SamplingParams(temperature=0, max_tokens=1))
+    assert plain.text.strip() == "apple"
+    # penalised over the prompt's tokens, the repeated word is no longer the pick
+    pen = e.generate(prompt, SamplingParams(temperature=0, max_tokens=1, repeat_penalty=3.0))
+    assert pen.text.strip() != "apple"
+
+
+def test_prompt_too_long_is_refused(make_gemma):
+    e = make_gemma(n_parallel=4, n_ctx=1024)
+    with pytest.raises(RequestError, match="shorten the prompt"):
+        e.make_request("word " * 400, GREEDY)
