@@ -68,6 +68,11 @@ class EngineConfig(BaseModel):
     flash_attn: bool | None = Field(
         default=None, description="Flash attention on or off; None lets llama.cpp decide per device [-fa]."
     )
+    repack: bool = Field(
+        default=True,
+        description="Let the local CPU device repack weights for its faster kernels. An RPC stage "
+        "never does, so with it off the local layers round as the peer's do.",
+    )
     swa_full: bool = Field(
         default=False,
         description="Keep the full context in the KV of sliding-window layers [--swa-full]. Off (as "

@@ -73,6 +73,7 @@ class Engine:
             devices=self.devices,
             n_gpu_layers=config.n_gpu_layers,
             tensor_split=layer_split(config, self.devices),
+            repack=config.repack,
         )
         self.model_name = config.model_alias or Path(config.model).name
         self.tokenizer = Tokenizer(self.model, config.chat_template, config.chat_template_file)

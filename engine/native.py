@@ -208,12 +208,16 @@ class Model:
         n_gpu_layers: int = -1,
         tensor_split: list[float] | None = None,
         use_mmap: bool = True,
+        repack: bool = True,
     ) -> None:
         init_backend()
         self.path = path
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = 999 if n_gpu_layers < 0 else n_gpu_layers
         params.use_mmap = use_mmap
+        # the CPU backend's repacked weight layouts (faster kernels, other rounding); an RPC
+        # stage never uses them
+        params.use_extra_bufts = repack
         self._keep: list[object] = []
         if devices:
             arr = resolve_devices(devices)

@@ -130,9 +130,9 @@ class SamplerChain:
         )
         # backend sampling needs a real chain, also for plain greedy
         self.greedy = params.is_plain_greedy and not force_chain
-        # llama.cpp runs top-k, top-p, min-p, temperature, dist and greedy in the graph;
-        # penalties, logit biases and banned tokens need the host
-        self.offloadable = not params.logit_bias and not self.penalised and not len(self.banned)
+        # llama.cpp runs top-k, top-p, min-p, temperature, dist, greedy and the logit bias of
+        # banned tokens in the graph; penalties and a request's own logit bias stay on the host
+        self.offloadable = not params.logit_bias and not self.penalised
         seed = params.seed
         if seed is None:
             seed = default_seed if default_seed >= 0 else random.randrange(0, 2**32 - 1)
