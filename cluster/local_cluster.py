@@ -35,30 +35,9 @@ def auth_env() -> dict[str, str]:
     return env
 
 
-SERVE_ENV_FILE = Path(__file__).with_name("serve.env")
-
-
-def serve_settings() -> dict[str, str]:
-    """The Ray Serve settings of ``cluster/serve.env`` (KEY=VALUE lines, # comments)."""
-    out = {}
-    for line in SERVE_ENV_FILE.read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            k, v = line.split("=", 1)
-            out[k.strip()] = v.strip()
-    return out
-
-
-def serve_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
-    for k, v in serve_settings().items():
-        env.setdefault(k, v)
-    return env
-
-
 def _run(args: list[str], env: dict[str, str] | None = None) -> None:
     log.info("$ %s", " ".join(args))
-    subprocess.run(args, check=True, env=serve_env(env), stdout=subprocess.DEVNULL)
+    subprocess.run(args, check=True, env=env or dict(os.environ), stdout=subprocess.DEVNULL)
 
 
 def start(port: int = DEFAULT_PORT, head_cpus: int = 4, peer_cpus: int = 2) -> str:
