@@ -73,7 +73,7 @@ def cells() -> list[Cell]:
     out = [replace(ls, output_local=False), ls, pg, replace(pg, groups=2)]
     out += [replace(c, pinned=True) for c in (ls, pg, replace(pg, groups=2))]
     for n in (8, 16):
-        part = {"clients": n, "requests_per_client": 8, "shared_prefix": PREFIX}
+        part = {"clients": n, "requests_per_client": 4, "shared_prefix": PREFIX}
         out += [replace(ls, **part), replace(pg, **part), replace(pg, groups=2, **part)]
     return out
 

@@ -66,7 +66,9 @@ class EngineConfig(BaseModel):
         "attends over the cells of all the group's slots (costly at long contexts).",
     )
     flash_attn: bool | None = Field(
-        default=None, description="Flash attention on or off; None lets llama.cpp decide per device [-fa]."
+        default=True,
+        description="Flash attention on or off [-fa]. None is llama.cpp's auto, which resolves after "
+        "the KV cache is laid out; on an RPC split it measured 40 % slower than either choice.",
     )
     repack: bool = Field(
         default=True,
