@@ -7,7 +7,9 @@ engine deployment (local node) and the OpenAI ingress in front of it.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,22 @@ log = logging.getLogger(__name__)
 
 LOCAL_RESOURCE = "stage_local"
 PEER_RESOURCE = "stage_peer"
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether binding ``host`` listens on every interface: 0.0.0.0 in any spelling the
+    resolver accepts (``0``, ``0.0``, ``000.0.0.0``), ``::``, ``[::]``, or an empty host."""
+    h = host.strip().strip("[]")
+    if not h:
+        return True
+    try:
+        return ipaddress.ip_address(h).is_unspecified
+    except ValueError:
+        pass
+    try:
+        return socket.inet_aton(h) == b"\0\0\0\0"  # the short IPv4 forms
+    except OSError:
+        return False  # a host name: resolved by the stage's node
 
 
 class RpcArgs(BaseModel):
@@ -53,7 +71,7 @@ class RpcArgs(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> RpcArgs:
-        if self.host in ("0.0.0.0", "::") and not self.allow_all_interfaces:
+        if self.host is not None and is_wildcard(self.host) and not self.allow_all_interfaces:
             raise ValueError(
                 "rpc.host 0.0.0.0 exposes the unauthenticated RPC stage on every interface; "
                 "use the peer's private address, or set rpc.allow_all_interfaces: true"

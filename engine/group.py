@@ -186,8 +186,10 @@ class PipelineGroup:
             except Exception as e:  # this request cannot start; the group goes on
                 log.exception("group %d: request %s failed to start", self.index, msg.request.id)
                 s = self._by_id[msg.request.slot_id]
-                if s.req is None:
-                    s.req = msg.request
+                # the slot may still hold the previous request's figures: report this one's
+                s.req = msg.request
+                s.n_generated = s.n_reused = 0
+                s.t_start, s.t_first_token = time.monotonic(), 0.0
                 self.sink([self._finish(s, "error", "", error=f"request failed to start: {e}")])
         elif isinstance(msg, CancelMsg):
             for s in self.active:

@@ -223,3 +223,23 @@ def test_compute_failure_stops_the_group_and_fails_requests(make_engine):
     # later requests are refused at once instead of hanging
     with pytest.raises(RuntimeError, match="unhealthy"):
         e.submit(e.make_request("x", GREEDY))
+
+
+def test_a_request_that_fails_to_start_reports_its_own_figures(make_engine, monkeypatch):
+    import engine.group as group_mod
+
+    e = make_engine(n_parallel=1)
+    first = e.generate("hello world", GREEDY)  # the slot now holds this request's figures
+    assert first.final.completion_tokens >= 1
+
+    class Broken:
+        def __init__(self, *a, **kw):
+            raise RuntimeError("no sampler today")
+
+    monkeypatch.setattr(group_mod, "SamplerChain", Broken)
+    failed = e.generate("hello again", GREEDY)
+    assert failed.final.finish_reason == "error" and "no sampler today" in failed.final.error
+    assert failed.final.completion_tokens == 0 and failed.final.cached_tokens == 0
+    assert 0.0 <= failed.final.t_queue <= failed.final.t_end
+    monkeypatch.undo()
+    assert e.generate("hello world", GREEDY).text == first.text  # the group goes on

@@ -143,8 +143,11 @@ def test_count_ubatches_follows_llama_cpp_split_rules():
 def test_app_args_refuse_unsafe_rpc_bind_and_bad_groups():
     from deployments.app import AppArgs, RpcArgs
 
-    with pytest.raises(ValidationError, match="unauthenticated"):
-        RpcArgs(host="0.0.0.0")
+    for wildcard in ("0.0.0.0", "0", "0.0", "000.0.0.0", "::", "[::]", "0:0::0", " "):
+        with pytest.raises(ValidationError, match="unauthenticated"):
+            RpcArgs(host=wildcard)
+    for private in ("10.0.0.2", "127.0.0.1", "fe80::1", "peer-node"):
+        assert RpcArgs(host=private).host == private
     assert RpcArgs(host="0.0.0.0", allow_all_interfaces=True).host == "0.0.0.0"
     with pytest.raises(ValidationError, match="multiple of pipeline_groups"):
         AppArgs(n_parallel=6, pipeline_groups=4).engine_config([])
