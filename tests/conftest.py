@@ -18,6 +18,23 @@ from engine.synthetic_model import ModelShape, write_model
 
 REPO = Path(__file__).resolve().parents[1]
 RPC_PORT = 50161
+
+
+def engine_factory(**defaults: object) -> Iterator[Callable[..., Engine]]:
+    """Body of an engine fixture: ``make(**overrides)`` builds engines from ``defaults``; all
+    are closed at teardown."""
+    engines: list[Engine] = []
+
+    def make(**kw: object) -> Engine:
+        e = Engine(EngineConfig(**{**defaults, **kw}))
+        engines.append(e)
+        return e
+
+    yield make
+    for e in engines:
+        e.close()
+
+
 @pytest.fixture(scope="session")
 def model_path() -> str:
     """The synthetic model: exact shapes, fast, and peaked logits that keep greedy stable."""
@@ -26,18 +43,7 @@ def model_path() -> str:
 
 @pytest.fixture
 def make_engine(model_path: str) -> Iterator[Callable[..., Engine]]:
-    engines: list[Engine] = []
-
-    def make(**kw: object) -> Engine:
-        kw.setdefault("model", model_path)
-        kw.setdefault("n_threads", 1)
-        e = Engine(EngineConfig(**kw))
-        engines.append(e)
-        return e
-
-    yield make
-    for e in engines:
-        e.close()
+    yield from engine_factory(model=model_path, n_threads=1)
 
 
 @pytest.fixture(scope="session")

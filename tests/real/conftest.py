@@ -10,8 +10,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from engine import Engine, EngineConfig
+from engine import Engine
 from engine.models import DEFAULT_MODEL
+from tests.conftest import engine_factory
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -29,16 +30,5 @@ def gemma_path() -> str:
 
 @pytest.fixture
 def make_gemma(gemma_path: str) -> Iterator[Callable[..., Engine]]:
-    engines: list[Engine] = []
-
-    def make(**kw: object) -> Engine:
-        kw.setdefault("model", gemma_path)
-        kw.setdefault("n_threads", 2)
-        kw.setdefault("flash_attn", False)
-        e = Engine(EngineConfig(**kw))
-        engines.append(e)
-        return e
-
-    yield make
-    for e in engines:
-        e.close()
+    # flash attention off as llama-cpp-python's Llama has it, the oracle of these tests
+    yield from engine_factory(model=gemma_path, n_threads=2, flash_attn=False)
