@@ -102,10 +102,6 @@ def write_reports(results: list[dict], meta: dict, out: Path, stem: str = "sweep
 # ---- the headline (bench/headline.py) ----------------------------------------------------------
 
 
-def _cell(results: list[dict], **kw: object) -> dict | None:
-    return _find(results, **kw)
-
-
 def headline_targets(results: list[dict]) -> list[tuple[str, str, str]]:
     out: list[tuple[str, str, str]] = []
 
@@ -114,7 +110,7 @@ def headline_targets(results: list[dict]) -> list[tuple[str, str, str]]:
         return max(ls, key=lambda r: r["tok_s"], default=None)
 
     def ours(groups: int, pinned: bool = False, clients: int = 32) -> dict | None:
-        return _cell(results, system="pipeline-groups", groups=groups, pinned=pinned, clients=clients)
+        return _find(results, system="pipeline-groups", groups=groups, pinned=pinned, clients=clients)
 
     for pinned in (False, True):
         ls, g2 = best_ls(pinned), ours(2, pinned)

@@ -97,7 +97,7 @@ class AppArgs(BaseModel):
         description="Devices in layer order [--device]; default RPC first, local device last, so "
         "the output layer and the logits stay local.",
     )
-    tensor_split: list[float] | None = Field(default=None, description="Share of the layers per device, in device order [-ts].")
+    tensor_split: list[float] | None = EngineConfig.model_fields["tensor_split"]
     peer_layers: int | None = EngineConfig.model_fields["peer_layers"]
     kv_unified: bool = EngineConfig.model_fields["kv_unified"]
     swa_full: bool = EngineConfig.model_fields["swa_full"]

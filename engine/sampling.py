@@ -61,14 +61,12 @@ class SamplingParams(BaseModel):
         return v
 
     @property
+    def penalised(self) -> bool:
+        return self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def is_plain_greedy(self) -> bool:
-        return (
-            self.temperature <= 0.0
-            and not self.logit_bias
-            and self.repeat_penalty == 1.0
-            and self.presence_penalty == 0.0
-            and self.frequency_penalty == 0.0
-        )
+        return self.temperature <= 0.0 and not self.logit_bias and not self.penalised
 
 
 class Candidates:
@@ -125,9 +123,7 @@ class SamplerChain:
         self.params = params
         self.n_vocab = n_vocab
         self.banned = np.asarray([t for t in banned if t < n_vocab], dtype=np.int64)
-        self.penalised = (
-            params.repeat_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-        )
+        self.penalised = params.penalised
         # backend sampling needs a real chain, also for plain greedy
         self.greedy = params.is_plain_greedy and not force_chain
         # llama.cpp runs top-k, top-p, min-p, temperature, dist, greedy and the logit bias of
