@@ -86,10 +86,8 @@ model-synthetic: install
 serve: install model
 	$(VENV)/bin/python -m cluster.serve $(CONFIG)
 
-# The peer-failure test kills the RPC stage; it runs in a Ray cluster of its own.
 test: install model model-synthetic
-	$(PY) -m pytest -m "not isolated" $(PYTEST_ARGS)
-	$(PY) -m pytest -m isolated $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install model model-synthetic
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)

@@ -50,6 +50,7 @@ class RpcStage:
     def __init__(self, host: str, port: int, threads: int, devices: list[str] | None, cache_dir: str | None,
                  cpus: list[int] | None = None):
         self.host, self.port = host, port
+        self._settings = _settings(host, port, threads, devices, cache_dir, cpus)
         self.threads = threads or (os.cpu_count() or 1)
         self.cmd = [sys.executable, "-m", "cluster.rpc_server", "--host", host, "--port", str(port)]
         if threads:
@@ -97,6 +98,9 @@ class RpcStage:
 
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def settings(self) -> dict[str, Any]:
+        return self._settings
 
     def ready(self, timeout_s: float = 60.0) -> str:
         deadline = time.monotonic() + timeout_s
@@ -154,16 +158,60 @@ def choose_host(rpc_host: str | None, peer_resource: str | None, local_resource:
     return peers[0]
 
 
+def _settings(host: str, port: int, threads: int, devices: list[str] | None, cache_dir: str | None,
+              cpus: list[int] | None) -> dict[str, Any]:
+    return {"host": host, "port": port, "threads": threads, "devices": list(devices or []),
+            "cache_dir": cache_dir, "cpus": list(cpus or [])}
+
+
 def start_stage(rpc: Any, peer_resource: str | None, local_resource: str) -> str:
-    """Start (or reuse) the stage actor and return its endpoint once it accepts connections."""
+    """Start the stage actor, or reuse the running one when its settings are these; a stage
+    started with other settings is stopped and replaced. Returns the endpoint once it
+    accepts connections."""
     host = choose_host(rpc.host, peer_resource, local_resource)
+    args = (host, rpc.port, rpc.threads, rpc.devices, rpc.cache_dir, rpc.cpus)
+    want = _settings(*args)
+    try:
+        old = get_stage()
+    except ValueError:
+        old = None
+    if old is not None:
+        try:
+            have = ray.get(old.settings.remote(), timeout=30)
+        except Exception as e:  # an unresponsive or older stage: replace it
+            have = {"error": str(e)}
+        if have != want:
+            log.info("the RPC stage runs with %s; restarting it with %s", have, want)
+            stop_stage(old)
     opts: dict[str, Any] = {"name": STAGE_NAME, "namespace": NAMESPACE, "lifetime": "detached", "get_if_exists": True}
     if peer_resource and ray.cluster_resources().get(peer_resource, 0) > 0:
         opts["resources"] = {peer_resource: 0.01}
-    stage = RpcStage.options(**opts).remote(host, rpc.port, rpc.threads, rpc.devices, rpc.cache_dir, rpc.cpus)
+    stage = RpcStage.options(**opts).remote(*args)
     endpoint = ray.get(stage.ready.remote(rpc.start_timeout_s), timeout=rpc.start_timeout_s + 30)
     log.info("RPC stage ready at %s", endpoint)
     return endpoint
+
+
+def stop_stage(stage: Any | None = None, timeout_s: float = 30.0) -> None:
+    """Stop the stage's server, remove the actor, and wait until its name is free."""
+    if stage is None:
+        try:
+            stage = get_stage()
+        except ValueError:
+            return
+    try:
+        ray.get(stage.stop.remote(), timeout=10)
+    except Exception:  # killed below either way
+        pass
+    ray.kill(stage, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            get_stage()
+        except ValueError:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"the RPC stage actor {STAGE_NAME} did not go away in {timeout_s:.0f} s")
 
 
 def get_stage() -> Any:

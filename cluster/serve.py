@@ -1,7 +1,10 @@
 """``make serve``: start the local two-node cluster, ``serve run`` a config, stop it all after.
 
-Runs in the foreground; Ctrl-C (or SIGTERM) stops Serve, then the Ray processes it started.
-With ``--address`` it serves on an existing cluster (``ray up``) and starts nothing.
+Runs in the foreground. Ctrl-C or SIGTERM stops it in order: the engines stop taking
+requests and give those running ``--drain-s`` seconds to finish (the rest end with a 503
+error, or an SSE error event then ``[DONE]``), Serve shuts down, then the Ray processes
+this launcher started. With ``--address`` it serves on an existing cluster (``ray up``)
+and stops only Serve.
 """
 
 from __future__ import annotations
@@ -12,17 +15,54 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 from cluster import local_cluster
 
-GRACE_S = 40.0  # in-flight requests get the deployments' graceful shutdown time (30 s)
+log = logging.getLogger("cluster.serve")
+
+
+def drain_and_shutdown(address: str, drain_s: float) -> None:
+    """Drain every application's engine, then shut Serve down (as a Ray driver)."""
+    import ray
+    from ray import serve
+
+    ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+    try:
+        try:
+            apps = serve.status().applications
+        except Exception as e:  # Serve is not running: nothing to drain
+            log.info("no Serve instance to drain: %s", e)
+            return
+        pending = []
+        for name, app in apps.items():
+            if "engine" in app.deployments:
+                handle = serve.get_deployment_handle("engine", app_name=name)
+                pending.append((name, handle.drain.remote(drain_s)))
+        for name, resp in pending:
+            try:
+                cut = resp.result(timeout_s=drain_s + 15)
+                log.info("application %s drained (%d request(s) cut)", name, cut["cut"])
+            except Exception as e:
+                log.warning("draining application %s failed: %s", name, e)
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def _default_sigint() -> None:
+    # a launcher started in the background has SIGINT ignored, and a child inherits that
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("config", help="Serve config file, e.g. deployments/configs/local.yaml")
     p.add_argument("--address", default=None, help="existing Ray cluster; default: start a local one")
+    p.add_argument("--drain-s", type=float, default=5.0,
+                   help="on stop, seconds running requests get to finish before they are cut")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     started = a.address is None
@@ -32,27 +72,42 @@ def main(argv: list[str] | None = None) -> int:
     else:
         address = a.address
     env = local_cluster.auth_env()
+    os.environ.update({k: v for k, v in env.items() if k.startswith("RAY_AUTH")})
     env["RAY_ADDRESS"] = address
     serve_bin = str(Path(sys.executable).parent / "serve")
-    proc = subprocess.Popen([serve_bin, "run", a.config], env=env)
+    proc = subprocess.Popen([serve_bin, "run", a.config], env=env, preexec_fn=_default_sigint)
 
-    def forward(signum: int, _frame: object) -> None:
-        proc.send_signal(signal.SIGINT)
+    stop = threading.Event()
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    rc = 0
     try:
-        rc = proc.wait()
+        while not stop.is_set():
+            if proc.poll() is not None:
+                rc = proc.returncode
+                break
+            stop.wait(0.5)
     finally:
+        t0 = time.monotonic()
+        log.info("stopping: draining requests (%.0f s), then Serve%s", a.drain_s, ", then Ray" if started else "")
+        try:
+            drain_and_shutdown(address, a.drain_s)
+        except Exception as e:
+            log.warning("drain and Serve shutdown failed: %s", e)
         if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
             try:
-                proc.wait(GRACE_S)
+                proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
         if started:
-            subprocess.run([serve_bin, "shutdown", "-y"], env=env, check=False,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             local_cluster.stop()
+        log.info("stopped in %.1f s", time.monotonic() - t0)
     return rc
 
 

@@ -121,6 +121,11 @@ class AppArgs(BaseModel):
     profile: bool = Field(default=False, description="Log each group's host path every 5 s (also PGROUPS_PROFILE=1).")
     graph_reuse: bool = Field(default=False, description="Allow llama.cpp graph reuse (see the README on RPC races).")
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, description="Largest accepted request body.")
+    stage_timeout_s: float = Field(
+        default=60.0, gt=0,
+        description="A decode step that waits this long on the RPC stage (a frozen peer) fails the "
+        "requests in flight with 503 and restarts the engine replica; well above the slowest step.",
+    )
     placement: bool = Field(
         default=True,
         description="Place the engine on the node with the 'stage_local' resource and the RPC stage "
@@ -187,7 +192,9 @@ def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
     actor_opts: dict[str, Any] = {"num_cpus": 0}
     if a.placement and _has_resource(LOCAL_RESOURCE):
         actor_opts["resources"] = {LOCAL_RESOURCE: 0.01}
-    engine = EngineDeployment.options(ray_actor_options=actor_opts).bind(cfg.model_dump())
+    engine = EngineDeployment.options(ray_actor_options=actor_opts).bind(
+        cfg.model_dump(), stage_timeout_s=a.stage_timeout_s
+    )
     names = [a.model_alias or Path(a.model).name]
     if a.model_alias:
         names.append(Path(a.model).name)

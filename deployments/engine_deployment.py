@@ -20,6 +20,7 @@ from ray import serve
 
 from deployments.protocol import ChatCompletionRequest, CompletionRequest
 from engine import Engine, EngineConfig, Output, QueueFullError, RequestError, SlotBusyError
+from engine.types import SHUTTING_DOWN, Request
 from observability.metrics import EngineMetrics
 from observability.process import rss_bytes
 
@@ -44,6 +45,21 @@ def error(kind: str, message: str, status: int, **extra: Any) -> dict:
     return {"error": {"type": kind, "message": message, "status": status, **extra}}
 
 
+NOT_CONNECTED = "this engine replica has no output stream from the ingress (it restarted); retry the request"
+
+
+class _Conn:
+    """One output stream to one ingress replica: its queue and the requests it carries."""
+
+    def __init__(self, ingress_id: str, conn_id: str) -> None:
+        self.ingress_id, self.id = ingress_id, conn_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.requests: set[str] = set()
+
+
+_CLOSE = object()  # ends an output stream
+
+
 @serve.deployment(
     name="engine",
     num_replicas=1,
@@ -53,13 +69,16 @@ def error(kind: str, message: str, status: int, **extra: Any) -> dict:
     graceful_shutdown_timeout_s=30,
 )
 class EngineDeployment:
-    async def __init__(self, config: dict[str, Any], stage_wait_s: float = 300.0) -> None:
+    async def __init__(self, config: dict[str, Any], stage_wait_s: float = 300.0,
+                       stage_timeout_s: float | None = 60.0) -> None:
         for name in ("engine", "deployments", "observability"):
             logging.getLogger(name).setLevel(logging.INFO)
         self.config = EngineConfig.model_validate(config)
         self.loop = asyncio.get_running_loop()
-        self._owner: dict[str, str] = {}  # request id -> ingress id
-        self._queues: dict[str, asyncio.Queue] = defaultdict(asyncio.Queue)
+        self._owner: dict[str, _Conn] = {}  # request id -> the stream its outputs go to
+        self._conns: dict[str, _Conn] = {}  # connection id -> stream
+        self._failed: str | None = None  # why this replica must be replaced
+        self._draining = False
         for ep in self.config.rpc_endpoints:
             await self._wait_for_stage(ep, stage_wait_s)
         self.engine: Engine = await asyncio.to_thread(Engine, self.config, self._sink_from_thread)
@@ -68,6 +87,8 @@ class EngineDeployment:
         self.metrics = EngineMetrics(self.model_name, self._replica)
         self.metrics.set_stage_up(True)
         self._last_busy: tuple[float, float, float | None] | None = None
+        self.stage_timeout_s = stage_timeout_s if self.config.rpc_endpoints else None
+        self._watchdog = self.loop.create_task(self._watch()) if self.stage_timeout_s else None
         log.info("engine replica %s serving %s", self._replica, self.model_name)
 
     async def _wait_for_stage(self, endpoint: str, timeout_s: float) -> None:
@@ -82,68 +103,158 @@ class EngineDeployment:
             await asyncio.sleep(0.2)
         await asyncio.to_thread(wait_for_endpoint, endpoint, max(1.0, deadline - time.monotonic()))
 
+    # ---- the frozen-peer watchdog -----------------------------------------------------------
+
+    async def _watch(self) -> None:
+        """A decode that has not returned for ``stage_timeout_s`` means the peer stopped
+        answering with the connection still open. llama.cpp cannot be interrupted there, so
+        the replica fails what it holds, reports itself unhealthy and is replaced by Serve;
+        the new replica connects when the stage answers again."""
+        assert self.stage_timeout_s is not None
+        while self._failed is None:
+            await asyncio.sleep(min(1.0, self.stage_timeout_s / 4))
+            stalled = self.engine.stalled_for()
+            if stalled > self.stage_timeout_s:
+                self._fail_replica(
+                    f"the RPC stage did not answer for {stalled:.0f} s (stage_timeout_s "
+                    f"{self.stage_timeout_s:.0f}); the engine replica restarts"
+                )
+
+    def _fail_replica(self, reason: str) -> None:
+        log.error("%s", reason)
+        self._failed = reason
+        self.metrics.set_stage_up(False)
+        for rid, conn in list(self._owner.items()):
+            conn.queue.put_nowait([tuple(Output(rid, "", 0, "error", error=reason, status=503))])
+        self._owner.clear()
+        for conn in self._conns.values():
+            conn.requests.clear()
+            conn.queue.put_nowait(_CLOSE)  # Serve's drain of this replica must not wait on them
+
     # ---- outputs ----------------------------------------------------------------------------
 
     def _sink_from_thread(self, outs: list[Output]) -> None:
         self.loop.call_soon_threadsafe(self._deliver, outs)
 
     def _deliver(self, outs: list[Output]) -> None:
-        per_ingress: dict[str, list[tuple]] = defaultdict(list)
+        per_conn: dict[_Conn, list[tuple]] = defaultdict(list)
         for o in outs:
-            ing = self._owner.get(o.request_id)
+            conn = self._owner.get(o.request_id)
             if o.finish_reason is not None:
                 self._owner.pop(o.request_id, None)
+                if conn is not None:
+                    conn.requests.discard(o.request_id)
             self.metrics.observe(o)
-            if ing is not None:
-                per_ingress[ing].append(tuple(o))
-        for ing, items in per_ingress.items():
-            self._queues[ing].put_nowait(items)
+            if conn is not None:
+                per_conn[conn].append(tuple(o))
+        for conn, items in per_conn.items():
+            conn.queue.put_nowait(items)
 
-    async def outputs(self, ingress_id: str):
-        """Stream of lists of outputs (as tuples) for every request of one ingress replica."""
-        q = self._queues[ingress_id]
+    async def outputs(self, ingress_id: str, conn_id: str):
+        """One ingress replica's output stream: first ``{"connected": replica}``, then lists
+        of outputs (as tuples) of the requests it submitted on this connection. When the
+        stream ends, only this connection's requests are cancelled."""
+        if self._failed is not None or self._draining:
+            raise RuntimeError(self._failed or SHUTTING_DOWN)
+        conn = self._conns[conn_id] = _Conn(ingress_id, conn_id)
+        q = conn.queue
         try:
+            yield {"connected": self._replica}
             while True:
                 batch = await q.get()
+                if batch is _CLOSE:
+                    return
                 while not q.empty():
-                    batch.extend(q.get_nowait())
+                    more = q.get_nowait()
+                    if more is _CLOSE:
+                        yield batch
+                        return
+                    batch.extend(more)
                 yield batch
         finally:
-            self._queues.pop(ingress_id, None)
-            for rid, ing in list(self._owner.items()):
-                if ing == ingress_id:
-                    self.engine.cancel(rid)
+            if self._conns.get(conn_id) is conn:
+                del self._conns[conn_id]
+            for rid in list(conn.requests):
+                self._owner.pop(rid, None)
+                self.engine.cancel(rid)
+            conn.requests.clear()
 
     # ---- requests ---------------------------------------------------------------------------
 
-    async def submit(self, ingress_id: str, request_id: str, kind: str, body: dict) -> dict:
-        """Validate, tokenise and queue one request; returns its prompt size or an error."""
+    async def submit(self, conn_id: str, request_id: str, kind: str, body: dict) -> dict:
+        """Validate, tokenise and queue one request; returns its prompt size or an error.
+        Parsing, the chat template and the tokenizer run off the event loop that delivers
+        every stream's tokens."""
+        if self._failed is not None:
+            return error("server_error", self._failed, 503)
+        if self._draining:
+            return error("server_error", SHUTTING_DOWN, 503)
+        if conn_id not in self._conns:
+            return error("server_error", NOT_CONNECTED, 503)
         try:
-            if kind == "chat":
-                req = ChatCompletionRequest.model_validate(body)
-                prompt: str | list[int] = self.engine.tokenizer.apply_chat_template(
-                    req.template_messages(), kwargs=req.chat_template_kwargs
-                )
-                params = req.sampling(self._default_max_tokens(), req.max_completion_tokens)
-            else:
-                req = CompletionRequest.model_validate(body)
-                prompt = req.prompt  # type: ignore[assignment]
-                params = req.sampling(self._default_max_tokens())
-            r = self.engine.make_request(prompt, params, request_id)
+            r = await asyncio.to_thread(self._prepare, request_id, kind, body)
         except (ValueError, RequestError) as e:
             return error("invalid_request_error", str(e), 400)
-        self._owner[request_id] = ingress_id
-        self._queues[ingress_id]  # the stream may open after the first outputs
+        conn = self._conns.get(conn_id)
+        if conn is None or self._failed is not None or self._draining:
+            return error("server_error", self._failed or (SHUTTING_DOWN if self._draining else NOT_CONNECTED), 503)
+        self._owner[request_id] = conn
+        conn.requests.add(request_id)
         try:
             self.engine.submit(r)
-        except QueueFullError as e:
+        except (QueueFullError, RuntimeError) as e:
             self._owner.pop(request_id, None)
-            self.metrics.rejected()
-            return error("rate_limit_error", str(e), 429)
-        except RuntimeError as e:
-            self._owner.pop(request_id, None)
+            conn.requests.discard(request_id)
+            if isinstance(e, QueueFullError):
+                self.metrics.rejected()
+                return error("rate_limit_error", str(e), 429)
             return error("server_error", str(e), 503)
         return {"prompt_tokens": len(r.prompt_tokens), "n_predict": r.n_predict}
+
+    def _prepare(self, request_id: str, kind: str, body: dict) -> Request:
+        if kind == "chat":
+            req = ChatCompletionRequest.model_validate(body)
+            prompt: str | list[int] = self.engine.tokenizer.apply_chat_template(
+                req.template_messages(), kwargs=req.chat_template_kwargs
+            )
+            params = req.sampling(self._default_max_tokens(), req.max_completion_tokens)
+        else:
+            creq = CompletionRequest.model_validate(body)
+            prompt = creq.prompt  # type: ignore[assignment]
+            params = creq.sampling(self._default_max_tokens())
+        return self.engine.make_request(prompt, params, request_id)
+
+    async def drain(self, grace_s: float) -> dict:
+        """Stop taking requests; give running ones ``grace_s`` to finish, then end the rest
+        with a shutting-down error. Called before a shutdown so that it is quick."""
+        self._draining = True
+        deadline = time.monotonic() + grace_s
+        while self._owner and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        cut = list(self._owner)
+        for rid in cut:
+            self.engine.cancel(rid)
+        for rid in cut:  # cancelled, but the client is still there: it gets an error
+            conn = self._owner.pop(rid, None)
+            if conn is not None:
+                conn.requests.discard(rid)
+                conn.queue.put_nowait([tuple(Output(rid, "", 0, "error", error=SHUTTING_DOWN, status=503))])
+        for conn in self._conns.values():
+            conn.queue.put_nowait(_CLOSE)
+        return {"cut": len(cut)}
+
+    def tables(self) -> dict:
+        """Sizes of every per-request table (a leak shows here)."""
+        running, waiting = self.engine.scheduler.counts()
+        return {
+            "owners": len(self._owner),
+            "connections": len(self._conns),
+            "connection_requests": sum(len(c.requests) for c in self._conns.values()),
+            "running": running,
+            "waiting": waiting,
+            "active_slots": sum(len(g.active) for g in self.engine.groups),
+            "rss_bytes": rss_bytes(os.getpid()),
+        }
 
     def _default_max_tokens(self) -> int:
         # OpenAI's meaning of a missing max_tokens: until the slot's context is full
@@ -162,7 +273,7 @@ class EngineDeployment:
             "pipeline_groups": self.config.pipeline_groups,
             "devices": self.engine.devices,
             "n_vocab": self.engine.model.n_vocab,
-            "healthy": self.engine.healthy,
+            "healthy": self.engine.healthy and self._failed is None,
             "replica": self._replica,
         }
 
@@ -189,6 +300,10 @@ class EngineDeployment:
             return error("invalid_request_error", str(e), 409)
         except FileNotFoundError as e:
             return error("not_found_error", str(e), 404)
+        except TimeoutError as e:
+            return error("timeout_error", str(e), 504)
+        except RuntimeError as e:  # the group failed the action (e.g. a corrupt slot file)
+            return error("server_error", str(e), 500)
 
     async def metrics_text(self) -> bytes:
         running, waiting = self.engine.scheduler.counts()
@@ -228,13 +343,16 @@ class EngineDeployment:
             return {"accepting": False, "cpu_seconds": 0.0, "threads": 1, "endpoint": ""}
 
     def check_health(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(self._failed)
         if not self.engine.healthy:
             raise RuntimeError("engine unhealthy: a pipeline group stopped")
 
     def __del__(self) -> None:
         eng = getattr(self, "engine", None)
         if eng is not None:
-            eng.close()
+            # a stalled decode never returns: do not wait for its group
+            eng.close(timeout=1.0 if self._failed else 30.0)
 
 
 def _replica_tag() -> str:

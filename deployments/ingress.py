@@ -2,8 +2,10 @@
 
 Each ingress replica opens one long-lived stream from the engine actor that carries the
 outputs of all its requests in per-step batches, and hands each output to the waiting
-request's queue. A request is registered here before it is submitted, so no output can
-arrive for an unknown request. A client that goes away cancels its request in the engine.
+request's queue. Every opening of the stream has its own connection id; a request is
+submitted on the current connection and registered here first, so no output can arrive
+for an unknown request, and a stream that ends fails only its own requests (503, retry).
+A client that goes away cancels its request in the engine.
 """
 
 
@@ -17,16 +19,20 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from starlette.background import BackgroundTask
 
 from deployments.protocol import ChatCompletionRequest, CompletionRequest, error_body, now, usage
-from engine.types import Output
+from engine.types import SHUTTING_DOWN, Output
 
 log = logging.getLogger(__name__)
 
-app = FastAPI(title="pipeline-groups OpenAI-compatible API", version="0.1.0")
+# the documentation routes are the ingress's own, behind the API key like every route
+app = FastAPI(title="pipeline-groups OpenAI-compatible API", version="0.1.0",
+              docs_url=None, redoc_url=None, openapi_url=None)
 
 _REF = "#/components/schemas/{model}"
 _BODY_MODELS = {"CompletionRequest": CompletionRequest, "ChatCompletionRequest": ChatCompletionRequest}
@@ -42,7 +48,8 @@ def _openapi() -> dict:
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
 
-        spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        routes = [r for r in app.routes if getattr(r, "include_in_schema", True)]
+        spec = get_openapi(title=app.title, version=app.version, routes=routes)
         comps = spec.setdefault("components", {}).setdefault("schemas", {})
         for name, model in _BODY_MODELS.items():
             schema = model.model_json_schema(ref_template=_REF)
@@ -138,6 +145,20 @@ def _validation_message(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
+OFFLOAD_BYTES = 64 * 1024  # bodies larger than this are parsed off the event loop
+
+
+class _Pending:
+    """A request waiting for outputs: its queue and the output stream it came by."""
+
+    __slots__ = ("queue", "conn", "finished")
+
+    def __init__(self, conn: str) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.conn = conn
+        self.finished = False
+
+
 @serve.deployment(name="ingress", max_ongoing_requests=2048, graceful_shutdown_timeout_s=30)
 @serve.ingress(app)
 class Ingress:
@@ -148,15 +169,19 @@ class Ingress:
         api_key: str | None = None,
         request_timeout_s: float | None = None,
         max_body_bytes: int = 8 * 1024 * 1024,
+        connect_timeout_s: float = 10.0,
     ) -> None:
         self.engine = engine
         self.model_names = model_names
         self.api_key = api_key
         self.request_timeout_s = request_timeout_s
         self.max_body_bytes = max_body_bytes
+        self.connect_timeout_s = connect_timeout_s
         self.ingress_id = uuid.uuid4().hex
-        self._pending: dict[str, asyncio.Queue] = {}
+        self._pending: dict[str, _Pending] = {}
         self._pump_task: asyncio.Task | None = None
+        self._conn: str | None = None  # the output stream requests are submitted on
+        self._connected = asyncio.Event()
 
     # ---- the output stream from the engine ----------------------------------------------------
 
@@ -165,21 +190,54 @@ class Ingress:
             self._pump_task = asyncio.get_running_loop().create_task(self._pump())
 
     async def _pump(self) -> None:
+        """Hold one output stream from the engine, with a fresh connection id each time it is
+        opened. When a stream ends, only the requests submitted on it fail (503, retry)."""
         while True:
+            conn = uuid.uuid4().hex
             try:
-                gen = self.engine.options(stream=True).outputs.remote(self.ingress_id)
+                gen = self.engine.options(stream=True).outputs.remote(self.ingress_id, conn)
                 async for batch in gen:
+                    if isinstance(batch, dict):  # the engine replica registered this stream
+                        self._conn = conn
+                        self._connected.set()
+                        continue
                     for t in batch:
-                        q = self._pending.get(t[0])
-                        if q is not None:
-                            q.put_nowait(Output(*t))
+                        p = self._pending.get(t[0])
+                        if p is not None:
+                            p.queue.put_nowait(Output(*t))
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # the engine replica died: fail what is in flight
-                log.warning("output stream from the engine ended: %s", e)
-            for rid, q in list(self._pending.items()):
-                q.put_nowait(Output(rid, "", 0, "error", error="the engine restarted; retry the request"))
+            except Exception as e:  # the engine replica died or is being replaced
+                log.warning("output stream %s from the engine ended: %s", conn[:8], e)
+            finally:
+                if self._conn == conn:
+                    self._conn = None
+                    self._connected.clear()
+            lost = [(rid, p) for rid, p in self._pending.items() if p.conn == conn]
+            for rid, p in lost:
+                p.queue.put_nowait(Output(rid, "", 0, "error", error="the engine replica restarted; retry the request",
+                                          status=503))
             await asyncio.sleep(0.2)
+
+    async def _connection(self) -> str:
+        self._ensure_pump()
+        if not self._connected.is_set():
+            try:
+                await asyncio.wait_for(self._connected.wait(), self.connect_timeout_s)
+            except TimeoutError:
+                raise HTTPError(503, "the engine is not available (starting or restarting); retry",
+                                headers={"Retry-After": "2"}) from None
+        assert self._conn is not None
+        return self._conn
+
+    def tables(self) -> dict:
+        """Sizes of the per-request tables (a leak shows here)."""
+        return {"pending": len(self._pending), "connected": self._connected.is_set()}
+
+    def __del__(self) -> None:
+        # the engine's graceful shutdown must not wait on this replica's stream
+        if self._pump_task is not None:
+            self._pump_task.cancel()
 
     # ---- plumbing ----------------------------------------------------------------------------
 
@@ -191,15 +249,26 @@ class Ingress:
         if not token or not hmac.compare_digest(token.encode(), self.api_key.encode()):
             raise HTTPError(401, "invalid or missing API key (Authorization: Bearer <key>)")
 
-    async def _json(self, request: Request) -> dict:
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 as soon as it passes ``max_body_bytes``: a declared
+        Content-Length is checked first; a chunked body is counted as it arrives."""
+        too_big = HTTPError(413, f"request body larger than {self.max_body_bytes} bytes")
         cl = request.headers.get("content-length")
         if cl is not None and cl.isdigit() and int(cl) > self.max_body_bytes:
-            raise HTTPError(413, f"request body larger than {self.max_body_bytes} bytes")
-        raw = await request.body()
-        if len(raw) > self.max_body_bytes:
-            raise HTTPError(413, f"request body larger than {self.max_body_bytes} bytes")
+            raise too_big
+        parts, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > self.max_body_bytes:
+                raise too_big
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def _json(self, request: Request, raw: bytes | None = None) -> dict:
+        if raw is None:
+            raw = await self._read_body(request)
         try:
-            body = json.loads(raw)
+            body = json.loads(raw) if len(raw) < OFFLOAD_BYTES else await asyncio.to_thread(json.loads, raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise HTTPError(400, f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
@@ -210,70 +279,88 @@ class Ingress:
         if name and name not in self.model_names:
             raise HTTPError(404, f"the model {name!r} does not exist; this server serves {self.model_names[0]!r}", "model")
 
+    @staticmethod
+    def _validate(kind: str, body: dict) -> ChatCompletionRequest | CompletionRequest:
+        model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        req = model_cls.model_validate(body)
+        req.sampling(1)
+        return req
+
     async def _submit(self, request: Request, kind: str) -> Response:
         self._check_auth(request)
-        body = await self._json(request)
-        model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        raw = await self._read_body(request)
+        body = await self._json(request, raw)
         try:
-            req = model_cls.model_validate(body)
-            req.sampling(1)
+            if len(raw) < OFFLOAD_BYTES:
+                req = self._validate(kind, body)
+            else:
+                req = await asyncio.to_thread(self._validate, kind, body)
         except ValidationError as e:
             raise HTTPError(400, _validation_message(e)) from None
         except ValueError as e:
             raise HTTPError(400, str(e)) from None
         self._check_model(req.model)
-        self._ensure_pump()
+        conn = await self._connection()
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        q: asyncio.Queue = asyncio.Queue()
-        self._pending[rid] = q
+        p = self._pending[rid] = _Pending(conn)
         try:
-            res = await self.engine.submit.remote(self.ingress_id, rid, kind, body)
+            res = await self.engine.submit.remote(conn, rid, kind, body)
         except BaseException:
             self._pending.pop(rid, None)
             raise
         if "error" in res:
             self._pending.pop(rid, None)
             e = res["error"]
-            headers = {"Retry-After": "1"} if e["status"] == 429 else None
+            headers = {"Retry-After": "1"} if e["status"] in (429, 503) else None
             return err_response(e["status"], e["message"], headers=headers)
         model = self.model_names[0]
         if req.stream:
+            # the task runs however the response ends, also when the client is gone before
+            # the stream starts (then the generator never runs and cannot clean up itself)
             return StreamingResponse(
-                self._sse(rid, q, kind, model, req.include_usage),
+                self._sse(rid, p.queue, kind, model, req.include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                background=BackgroundTask(self._release, rid),
             )
-        return await self._collect(rid, q, kind, model)
+        return await self._collect(rid, p.queue, kind, model)
+
+    async def _release(self, rid: str) -> None:
+        """Forget a request; cancel it in the engine unless it finished."""
+        p = self._pending.pop(rid, None)
+        if p is not None and not p.finished:
+            try:
+                await self.engine.cancel.remote(rid)
+            except Exception:  # the engine is gone; nothing to cancel
+                pass
 
     async def _outputs(self, rid: str, q: asyncio.Queue) -> AsyncIterator[list[Output]]:
         """The request's outputs until its last, as lists of what has arrived since the last
         read (one list per step while the client keeps up, several steps when it falls
         behind); cancels the request in the engine if abandoned."""
         deadline = time.monotonic() + self.request_timeout_s if self.request_timeout_s else None
-        finished = False
         try:
             while True:
                 timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
                     o = await asyncio.wait_for(q.get(), timeout)
                 except TimeoutError:
-                    yield [Output(rid, "", 0, "error", error=f"request timed out after {self.request_timeout_s} s")]
+                    yield [Output(rid, "", 0, "error", error=f"request timed out after {self.request_timeout_s} s",
+                                  status=504)]
                     return
                 batch = [o]
                 while o.finish_reason is None and not q.empty():
                     o = q.get_nowait()
                     batch.append(o)
-                finished = o.finish_reason is not None
+                if o.finish_reason is not None:
+                    p = self._pending.get(rid)
+                    if p is not None:
+                        p.finished = True
                 yield batch
-                if finished:
+                if o.finish_reason is not None:
                     return
         finally:
-            self._pending.pop(rid, None)
-            if not finished:
-                try:
-                    await self.engine.cancel.remote(rid)
-                except Exception:  # the engine is gone; nothing to cancel
-                    pass
+            await self._release(rid)
 
     async def _collect(self, rid: str, q: asyncio.Queue, kind: str, model: str) -> Response:
         parts: list[str] = []
@@ -282,9 +369,8 @@ class Ingress:
             parts.extend(o.text for o in batch)
             last = batch[-1]
         assert last is not None
-        if last.finish_reason == "error":
-            status = 504 if "timed out" in (last.error or "") else 500
-            return err_response(status, last.error or "generation failed")
+        if last.finish_reason in ("error", "cancelled"):
+            return _error_of(last)
         text = "".join(parts)
         u = usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
         if kind == "chat":
@@ -310,16 +396,15 @@ class Ingress:
             last = batch[-1]
             # the text of every step that has arrived goes out in one event
             text = "".join(o.text for o in batch)
-            if last.finish_reason == "error":
-                err = error_body(last.error or "generation failed", "server_error", 500)
+            if last.finish_reason in ("error", "cancelled"):
+                status, message = _error_status(last)
+                err = error_body(message, ERROR_TYPES.get(status, "server_error"), status)
                 yield (ev.chunk(text, None) if text else b"") + b"data: " + json.dumps(err).encode() + b"\n\n" + DONE
                 return
             if last.finish_reason is None:
                 if text:
                     yield ev.chunk(text, None)
                 continue
-            if last.finish_reason == "cancelled":
-                return
             if kind == "chat" and text:
                 out = ev.chunk(text, None) + ev.chunk(None, last.finish_reason)
             else:
@@ -364,7 +449,8 @@ class Ingress:
     @app.post("/slots/{slot_id}")
     async def slot_action(self, slot_id: int, request: Request, action: str = "") -> Response:
         self._check_auth(request)
-        body = await self._json(request) if (await request.body()) else {}
+        raw = await self._read_body(request)
+        body = await self._json(request, raw) if raw else {}
         filename = body.get("filename")
         if filename is not None and not isinstance(filename, str):
             return err_response(400, "filename must be a string")
@@ -378,3 +464,31 @@ class Ingress:
         self._check_auth(request)
         text = await self.engine.metrics_text.remote()
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_json(self, request: Request) -> Response:
+        self._check_auth(request)
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request) -> Response:
+        self._check_auth(request)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(self, request: Request) -> Response:
+        self._check_auth(request)
+        return get_redoc_html(openapi_url="/openapi.json", title=app.title)
+
+
+def _error_status(o: Output) -> tuple[int, str]:
+    """The HTTP status and message of a request's failed last output. A request is only
+    ever "cancelled" towards a client that is still there when the server cut it."""
+    if o.finish_reason == "cancelled":
+        return 503, SHUTTING_DOWN
+    return (o.status or 500), (o.error or "generation failed")
+
+
+def _error_of(o: Output) -> JSONResponse:
+    status, message = _error_status(o)
+    return err_response(status, message, headers={"Retry-After": "1"} if status == 503 else None)

@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -212,7 +213,14 @@ class Engine:
             path = self.resolve_slot_file(filename)
         fut: Future = Future()
         self.groups[self.slots[slot_id].group].inbox.put(SlotOpMsg(action, slot_id, path, fut))
-        return fut.result(timeout)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            if fut.cancel():  # not started: the group will skip it
+                raise TimeoutError(
+                    f"slot {slot_id}'s group did not take the {action} within {timeout:.0f} s; it was not done"
+                ) from None
+            return fut.result()  # started meanwhile: it finishes
 
     def resolve_slot_file(self, filename: str | None) -> Path:
         base = self.config.slot_save_path
@@ -236,12 +244,24 @@ class Engine:
     def profiles(self) -> list:
         return [g.prof.snapshot for g in self.groups]
 
-    def close(self) -> None:
+    def stalled_for(self) -> float:
+        """Seconds the longest decode in progress has run (0.0 when none runs)."""
+        now = time.monotonic()
+        return max((now - g.decode_since for g in self.groups if g.decode_since), default=0.0)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the groups (their requests end with a shutting-down error) and free the model.
+        A group stuck in a decode that never returns keeps its native state: freeing it
+        under a running call would crash; the process is about to go anyway."""
         if self._closed:
             return
         self._closed = True
         for g in self.groups:
-            g.stop()
+            g.stop(timeout)
+        stuck = [g.index for g in self.groups if g.running]
+        if stuck:
+            log.error("pipeline group(s) %s did not stop; their native state is left as it is", stuck)
+            return
         for g in self.groups:
             g.close()
         self.model.close()

@@ -30,7 +30,7 @@ from engine.sampling import SamplerChain
 from engine.slots import Slot, SlotState, SlotView, common_prefix
 from engine.text import TextStream
 from engine.tokenizer import Tokenizer
-from engine.types import Output, Request
+from engine.types import SHUTTING_DOWN, Output, Request
 from observability.profiler import GroupProfiler
 
 log = logging.getLogger(__name__)
@@ -106,12 +106,19 @@ class PipelineGroup:
         self.active: list[Slot] = []
         self.alive = True
         self.error: str | None = None
+        # when the decode in progress began (time.monotonic), 0.0 between decodes: a decode
+        # that never returns (a frozen peer) is seen from outside by this
+        self.decode_since = 0.0
         self._thread = threading.Thread(target=self._run, name=f"pgroup-{index}", daemon=True)
 
     # ---- lifecycle (any thread) -------------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
     def stop(self, timeout: float = 30.0) -> None:
         if self._thread.is_alive():
@@ -159,7 +166,7 @@ class PipelineGroup:
             self.error = f"pipeline group {self.index} failed: {e}"
             outs = []
             for s in list(self.active):
-                outs.append(self._finish(s, "error", "", error=self.error, release=False))
+                outs.append(self._finish(s, "error", "", error=self.error, status=503, release=False))
             self._drain_after_death(outs)
 
     def _drain_after_death(self, outs: list[Output]) -> None:
@@ -174,7 +181,7 @@ class PipelineGroup:
                 return
             if isinstance(msg, StartMsg):
                 r = msg.request
-                self.sink([Output(r.id, "", 0, "error", len(r.prompt_tokens), error=self.error)])
+                self.sink([Output(r.id, "", 0, "error", len(r.prompt_tokens), error=self.error, status=503)])
                 self.on_release(self._by_id[r.slot_id].view(), True)
             elif isinstance(msg, SlotOpMsg):
                 msg.reply.set_exception(RuntimeError(self.error))
@@ -198,13 +205,17 @@ class PipelineGroup:
                     self.sink([out])
                     break
         elif isinstance(msg, SlotOpMsg):
-            try:
-                msg.reply.set_result(self._slot_op(msg))
-            except Exception as e:
-                msg.reply.set_exception(e)
+            # a caller that gave up cancelled the future: the action must not run late
+            if msg.reply.set_running_or_notify_cancel():
+                try:
+                    msg.reply.set_result(self._slot_op(msg))
+                except Exception as e:
+                    msg.reply.set_exception(e)
         elif isinstance(msg, _StopMsg):
-            for s in list(self.active):
-                self.sink([self._finish(s, "cancelled", "", release=False)])
+            outs = [self._finish(s, "error", "", error=SHUTTING_DOWN, status=503, release=False)
+                    for s in list(self.active)]
+            if outs:
+                self.sink(outs)
             return False
         return True
 
@@ -278,15 +289,18 @@ class PipelineGroup:
         t1 = time.perf_counter()
         prof.add("batch", t1 - t0)
         c1 = time.thread_time()
+        self.decode_since = time.monotonic()
         try:
             self.ctx.decode(b)
         except NativeError as e:
+            self.decode_since = 0.0
             self._fail_batch([en.slot for en in entries], str(e))
             if e.rc < 0:
                 # a compute failure (e.g. the RPC stage went away): the context cannot be
                 # trusted any more; the group stops and the engine reports itself unhealthy
                 raise
             return
+        self.decode_since = 0.0
         t2 = time.perf_counter()
         prof.add("decode", t2 - t1)
         # CPU time of this thread in decode: the local stage's compute when it runs on the CPU
@@ -379,6 +393,7 @@ class PipelineGroup:
         text: str,
         *,
         error: str | None = None,
+        status: int = 0,
         counted: bool = False,
         release: bool = True,
     ) -> Output:
@@ -396,6 +411,7 @@ class PipelineGroup:
             t_first_token=(s.t_first_token - r.t_arrival) if s.t_first_token else 0.0,
             t_queue=s.t_start - r.t_arrival,
             t_end=now - r.t_arrival,
+            status=status,
         )
         if s.on_backend:
             self.ctx.set_sampler(s.seq_id, None)
@@ -448,7 +464,13 @@ class PipelineGroup:
                 raise FileNotFoundError(f"no saved slot file {m.path.name}")
             self.ctx.seq_rm(s.seq_id, 0, -1)
             s.cache_tokens.clear()
-            toks = self.ctx.seq_load(str(m.path), s.seq_id, self.n_ctx_slot)
+            try:
+                toks = self.ctx.seq_load(str(m.path), s.seq_id, self.n_ctx_slot)
+            except BaseException:
+                # the slot's cache is gone: the scheduler must not choose it for its old prefix
+                self.ctx.seq_rm(s.seq_id, 0, -1)
+                self.on_release(s.view(), False)
+                raise
             s.cache_tokens.extend(toks)
             res = {
                 "id_slot": s.id,

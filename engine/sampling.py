@@ -141,7 +141,14 @@ class SamplerChain:
         chain = llama_cpp.llama_sampler_chain_init(sp)
         if not chain:
             raise RuntimeError("llama_sampler_chain_init failed")
+        try:
+            self._build(chain, params, n_vocab, seed)
+        except BaseException:
+            llama_cpp.llama_sampler_free(chain)  # with the samplers already added to it
+            raise
         self.ptr = chain
+
+    def _build(self, chain: object, params: SamplingParams, n_vocab: int, seed: int) -> None:
         add = llama_cpp.llama_sampler_chain_add
         bias = {t: b for t, b in params.logit_bias.items() if t < n_vocab}
         bias.update((int(t), float("-inf")) for t in self.banned)

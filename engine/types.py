@@ -17,6 +17,9 @@ class QueueFullError(RuntimeError):
     """Every slot is busy and the wait queue is full (HTTP 429)."""
 
 
+SHUTTING_DOWN = "the server is shutting down; retry the request"
+
+
 @dataclass(eq=False)
 class Request:
     """A request as the engine runs it. Immutable once submitted, but for ``slot_id``."""
@@ -43,3 +46,4 @@ class Output(NamedTuple):
     t_first_token: float = 0.0  # seconds from arrival to the first token (on the final output)
     t_queue: float = 0.0  # seconds waiting for a slot (on the final output)
     t_end: float = 0.0  # seconds from arrival to this final output
+    status: int = 0  # with finish_reason "error": the HTTP status it maps to (500 when 0)

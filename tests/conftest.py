@@ -59,7 +59,8 @@ def q8_model(tmp_path_factory: pytest.TempPathFactory, small_shape: ModelShape) 
 
 
 @pytest.fixture(scope="module")
-def rpc_endpoint() -> Iterator[str]:
+def rpc_server_proc() -> Iterator[subprocess.Popen]:
+    """A ggml RPC server on loopback, one per test module."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.rpc_server", "--host", "127.0.0.1", "--port", str(RPC_PORT), "--threads", "1"],
         stdout=subprocess.DEVNULL,
@@ -69,9 +70,19 @@ def rpc_endpoint() -> Iterator[str]:
         assert proc.poll() is None, "rpc server exited"
         assert time.monotonic() < deadline, "rpc server did not start"
         time.sleep(0.1)
-    yield f"127.0.0.1:{RPC_PORT}"
+    yield proc
     proc.kill()
     proc.wait()
+
+
+@pytest.fixture(scope="module")
+def rpc_endpoint(rpc_server_proc: subprocess.Popen) -> str:
+    return f"127.0.0.1:{RPC_PORT}"
+
+
+@pytest.fixture
+def rpc_server_pid(rpc_server_proc: subprocess.Popen) -> int:
+    return rpc_server_proc.pid
 
 
 def cpu_count() -> int:

@@ -75,17 +75,3 @@ def deploy(ray_cluster: str, model_path: str) -> Callable[[dict], str]:
         return BASE
 
     return _deploy
-
-
-def stop_stage() -> None:
-    """Remove the RPC stage actor so the next deploy starts one with its own settings."""
-    import ray
-
-    from cluster.rpc_stage import get_stage
-
-    try:
-        stage = get_stage()
-    except ValueError:
-        return
-    ray.get(stage.stop.remote())
-    ray.kill(stage)

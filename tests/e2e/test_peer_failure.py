@@ -1,4 +1,5 @@
-"""Peer failure: kill the RPC stage's server under load; nothing hangs and the pair comes back."""
+"""Peer failure: kill or freeze the RPC stage's server under load; nothing hangs and the
+pair comes back by itself."""
 
 from __future__ import annotations
 
@@ -9,13 +10,31 @@ import threading
 import time
 
 import httpx
-import pytest
 import ray
 
 from cluster.rpc_stage import get_stage
-from tests.e2e.test_http_api import APP
+from tests.e2e.test_http_api import APP as HTTP_APP
 
 log = logging.getLogger(__name__)
+
+# a short watchdog for the frozen peer; a step here takes milliseconds
+APP = {**HTTP_APP, "stage_timeout_s": 5.0}
+
+
+def start_load(base: str) -> tuple[list, list[threading.Thread]]:
+    """Eight long streams; returns once every slot is busy."""
+    results: list = [None] * 8
+    threads = [threading.Thread(target=stream_one, args=(base, results, i)) for i in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        busy = [s for s in httpx.get(base + "/slots", timeout=10).json() if s["is_processing"]]
+        if len(busy) == APP["n_parallel"]:
+            break
+        time.sleep(0.1)
+    time.sleep(0.5)
+    return results, threads
 
 
 def stream_one(base: str, results: list, i: int) -> None:
@@ -38,24 +57,13 @@ def stream_one(base: str, results: list, i: int) -> None:
     results[i] = outcome
 
 
-@pytest.mark.isolated
 def test_killing_the_stage_server_fails_in_flight_requests_and_recovers(deploy, record_property):
     base = deploy(APP)
     stage = get_stage()
     before = ray.get(stage.health.remote())
     assert before["alive"] and before["accepting"]
 
-    results: list = [None] * 8
-    threads = [threading.Thread(target=stream_one, args=(base, results, i)) for i in range(8)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        busy = [s for s in httpx.get(base + "/slots", timeout=10).json() if s["is_processing"]]
-        if len(busy) == APP["n_parallel"]:
-            break
-        time.sleep(0.1)
-    time.sleep(0.5)
+    results, threads = start_load(base)
 
     # /health is watched from the moment of the kill: the outage can be shorter than the
     # time the in-flight requests take to end
@@ -100,3 +108,47 @@ def test_killing_the_stage_server_fails_in_flight_requests_and_recovers(deploy, 
     assert r.status_code == 200, r.text
     record_property("recovery_s", round(recovered, 2))
     log.warning("peer failure: in-flight outcomes %s; healthy again after %.1f s", results, recovered)
+
+
+def test_a_frozen_stage_fails_in_flight_requests_and_service_returns_after_sigcont(deploy, record_property):
+    """SIGSTOP keeps the connection open and answers nothing: without the watchdog every
+    group would hang in llama_decode for ever with /health at 200."""
+    base = deploy(APP)
+    stage = get_stage()
+    before = ray.get(stage.health.remote())
+    results, threads = start_load(base)
+    t_stop = time.monotonic()
+    os.kill(before["pid"], signal.SIGSTOP)
+    try:
+        for t in threads:
+            t.join(APP["stage_timeout_s"] + 60)
+        assert not any(t.is_alive() for t in threads), "a request hung on the frozen stage"
+        t_failed = time.monotonic() - t_stop
+        assert all(r == "error event" or str(r).startswith("http 503") for r in results), results
+        codes = set()
+        deadline = time.monotonic() + 30
+        while 503 not in codes and time.monotonic() < deadline:
+            codes.add(httpx.get(base + "/health", timeout=10).status_code)
+            time.sleep(0.2)
+        assert 503 in codes, "/health did not report the frozen stage"
+    finally:
+        os.kill(before["pid"], signal.SIGCONT)
+    t_cont = time.monotonic()
+    deadline = t_cont + 240
+    while True:
+        try:
+            if httpx.get(base + "/health", timeout=10).status_code == 200:
+                r = httpx.post(base + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=60)
+                if r.status_code == 200:
+                    break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "service did not return after SIGCONT"
+        time.sleep(0.5)
+    back = time.monotonic() - t_cont
+    after = ray.get(stage.health.remote())
+    assert after["pid"] == before["pid"]  # the same server, resumed: no restart was needed
+    record_property("frozen_failed_s", round(t_failed, 2))
+    record_property("back_after_sigcont_s", round(back, 2))
+    log.warning("frozen stage: in-flight requests failed after %.1f s; serving again %.1f s after SIGCONT",
+                t_failed, back)

@@ -44,7 +44,8 @@ def all_idle(base: str, timeout_s: float = 20.0) -> bool:
 
 @pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("GET", "/slots"), ("GET", "/metrics"),
                                           ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                                          ("POST", "/slots/0?action=erase")])
+                                          ("POST", "/slots/0?action=erase"), ("GET", "/docs"),
+                                          ("GET", "/redoc"), ("GET", "/openapi.json")])
 def test_api_key_required_everywhere_but_health(base, method, path):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         r = httpx.request(method, base + path, headers=headers, json={"prompt": "hi"})
@@ -92,8 +93,15 @@ def test_request_timeout_cancels(base):
     assert all_idle(base)
 
 
+def test_docs_are_served_with_the_key(base):
+    for path in ("/docs", "/redoc"):
+        r = httpx.get(base + path, headers=H)
+        assert r.status_code == 200 and "/openapi.json" in r.text, path
+
+
 def test_openapi_schema_declares_the_bodies(base):
-    spec = httpx.get(base + "/openapi.json").json()
+    spec = httpx.get(base + "/openapi.json", headers=H).json()
+    assert not any(p in spec["paths"] for p in ("/docs", "/redoc", "/openapi.json"))
     body = spec["paths"]["/v1/completions"]["post"]["requestBody"]
     assert body["content"]["application/json"]["schema"]["$ref"].endswith("CompletionRequest")
 
@@ -103,7 +111,7 @@ def test_fuzz_openai_endpoints_no_5xx(base):
     import schemathesis
     from hypothesis import HealthCheck, settings
 
-    schema = schemathesis.openapi.from_url(base + "/openapi.json")
+    schema = schemathesis.openapi.from_url(base + "/openapi.json", headers=H)
     failures = []
     n_cases = 0
     for path in ("/v1/completions", "/v1/chat/completions"):

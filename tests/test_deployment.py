@@ -1,0 +1,163 @@
+"""The engine deployment's class on its own event loop (no Ray): output streams keyed by
+connection, request preparation off the loop, the frozen-peer watchdog and the drain."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from deployments.engine_deployment import NOT_CONNECTED, EngineDeployment
+from engine.types import SHUTTING_DOWN, Output
+
+LONG = {"prompt": "a long request", "max_tokens": 100_000, "ignore_eos": True}
+SHORT = {"prompt": "a short request", "max_tokens": 4}
+
+
+async def make_deployment(config: dict, **kw: Any) -> Any:
+    cls = EngineDeployment.func_or_class
+    d = cls.__new__(cls)
+    await cls.__init__(d, config, **kw)
+    return d
+
+
+def run(model_path: str, body: Callable, **cfg: Any) -> None:
+    """Run ``body(deployment)`` on a fresh event loop; close the engine after."""
+
+    async def main() -> None:
+        d = await make_deployment({"model": model_path, "n_threads": 1, "n_parallel": 2, **cfg})
+        try:
+            await body(d)
+        finally:
+            if d._watchdog is not None:  # noqa: SLF001
+                d._watchdog.cancel()  # noqa: SLF001
+            await asyncio.to_thread(d.engine.close)
+
+    asyncio.run(main())
+
+
+async def connect(d: Any, ingress: str, conn: str) -> Any:
+    stream = d.outputs(ingress, conn)
+    hello = await stream.__anext__()
+    assert "connected" in hello
+    return stream
+
+
+async def next_outputs(stream: Any, timeout: float = 30.0) -> list[Output]:
+    return [Output(*t) for t in await asyncio.wait_for(stream.__anext__(), timeout)]
+
+
+def test_a_second_stream_of_one_ingress_neither_takes_nor_drops_the_firsts_requests(model_path):
+    async def body(d: Any) -> None:
+        a = await connect(d, "ingress-1", "conn-a")
+        res = await d.submit("conn-a", "r1", "completion", LONG)
+        assert "error" not in res, res
+        b = await connect(d, "ingress-1", "conn-b")  # the same ingress opens a second stream
+        outs = await next_outputs(a)
+        assert outs and all(o.request_id == "r1" for o in outs)
+        await b.aclose()  # the second stream ends: the first one's request runs on
+        got = await next_outputs(a)
+        assert all(o.finish_reason is None for o in got)
+        assert d.tables()["owners"] == 1
+        await a.aclose()  # its own stream ends: now the request is cancelled
+        for _ in range(100):
+            if d.tables()["running"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        t = d.tables()
+        assert t["owners"] == t["connections"] == t["running"] == t["active_slots"] == 0, t
+
+    run(model_path, body)
+
+
+def test_a_submit_on_a_connection_this_replica_does_not_hold_is_503(model_path):
+    async def body(d: Any) -> None:
+        res = await d.submit("never-opened", "r1", "completion", SHORT)
+        assert res["error"]["status"] == 503 and res["error"]["message"] == NOT_CONNECTED
+        assert d.tables()["owners"] == 0
+
+    run(model_path, body)
+
+
+def test_tokenising_runs_off_the_event_loop(model_path):
+    """While one request's prompt is being prepared, the loop that delivers every stream
+    keeps running: another call completes before the preparation does."""
+
+    async def body(d: Any) -> None:
+        stream = await connect(d, "ingress-1", "c")  # held: a stream that is dropped closes
+        release = threading.Event()
+        entered = threading.Event()
+        real = d.engine.make_request
+
+        def slow_make_request(*a: Any, **kw: Any) -> Any:
+            entered.set()
+            release.wait(20)
+            return real(*a, **kw)
+
+        d.engine.make_request = slow_make_request
+        submit = asyncio.create_task(d.submit("c", "r1", "completion", SHORT))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        info = await asyncio.wait_for(d.info(), 5)  # the loop is free meanwhile
+        assert info["model"] and not release.is_set() and not submit.done()
+        release.set()
+        assert "error" not in await submit
+        await stream.aclose()
+
+    run(model_path, body)
+
+
+def test_the_watchdog_fails_in_flight_requests_and_reports_unhealthy(model_path):
+    async def body(d: Any) -> None:
+        s = await connect(d, "ingress-1", "c")
+        assert "error" not in await d.submit("c", "r1", "completion", LONG)
+        await next_outputs(s)
+        d.engine.stalled_for = lambda: 10.0  # a decode blocked for 10 s on the peer
+        deadline = time.monotonic() + 10
+        final = None
+        while final is None:
+            assert time.monotonic() < deadline
+            for o in await next_outputs(s):
+                if o.finish_reason is not None:
+                    final = o
+        assert final.finish_reason == "error" and final.status == 503 and "did not answer" in final.error
+        with pytest.raises(StopAsyncIteration):  # the stream ends: Serve's drain is not held
+            await asyncio.wait_for(s.__anext__(), 5)
+        with pytest.raises(RuntimeError):
+            d.check_health()
+        assert not (await d.info())["healthy"]
+        assert (await d.submit("c", "r2", "completion", SHORT))["error"]["status"] == 503
+
+    async def with_stage(d: Any) -> None:
+        d.stage_timeout_s = 2.0  # as if an RPC stage were configured
+        d._watchdog = asyncio.get_running_loop().create_task(d._watch())  # noqa: SLF001
+        await body(d)
+
+    run(model_path, with_stage)
+
+
+def test_drain_finishes_short_requests_and_cuts_long_ones_with_an_error(model_path):
+    async def body(d: Any) -> None:
+        s = await connect(d, "ingress-1", "c")
+        assert "error" not in await d.submit("c", "long", "completion", LONG)
+        assert "error" not in await d.submit("c", "short", "completion", SHORT)
+        res = await d.drain(2.0)
+        assert res["cut"] == 1
+        finals: dict[str, Output] = {}
+        try:
+            while True:
+                for o in await next_outputs(s, 10):
+                    if o.finish_reason is not None:
+                        finals[o.request_id] = o
+        except StopAsyncIteration:
+            pass
+        assert finals["short"].finish_reason == "length"
+        assert finals["long"].finish_reason == "error" and finals["long"].error == SHUTTING_DOWN
+        assert finals["long"].status == 503
+        assert (await d.submit("c", "late", "completion", SHORT))["error"]["status"] == 503
+
+    run(model_path, body)

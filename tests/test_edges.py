@@ -1,0 +1,102 @@
+"""The engine's edges (no Ray): late slot actions, failed restores, leaked samplers,
+requests cut by shutdown, and a decode stalled on a frozen peer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import Future
+
+import llama_cpp
+import pytest
+
+from engine import SamplingParams
+from engine.group import SlotOpMsg
+from engine.sampling import SamplerChain
+from engine.types import SHUTTING_DOWN
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def test_a_slot_action_given_up_by_its_caller_never_runs(make_engine):
+    e = make_engine(n_parallel=2)
+    e.generate("a prompt that fills a slot", GREEDY)
+    slot = next(v for v in e.slot_views() if v.n_cached > 0)
+    late: Future = Future()
+    late.cancel()  # what Engine.slot_action does when its wait times out first
+    e.groups[slot.group].inbox.put(SlotOpMsg("erase", slot.id, None, late))
+    # a later action on the same group runs after it: the group has handled the first by then
+    assert e.slot_action(1 - slot.id, "erase", None)["id_slot"] == 1 - slot.id
+    assert e.slot_views()[slot.id].n_cached == slot.n_cached
+    assert e.groups[slot.group]._by_id[slot.id].cache_tokens  # noqa: SLF001 - the KV is still there
+
+
+def test_a_failed_restore_leaves_the_schedulers_view_empty(make_engine, tmp_path):
+    e = make_engine(n_parallel=1, slot_save_path=str(tmp_path))
+    e.generate("a prompt that fills the slot", GREEDY)
+    assert e.slot_views()[0].n_cached > 0
+    (tmp_path / "bad.bin").write_bytes(b"not a slot file" * 100)
+    with pytest.raises(RuntimeError):
+        e.slot_action(0, "restore", "bad.bin")
+    # the slot's KV was dropped: the scheduler must not pick it for the old prefix
+    assert e.slot_views()[0].n_cached == 0
+    c = e.generate("a prompt that fills the slot", GREEDY)
+    assert c.final.cached_tokens == 0 and c.final.finish_reason == "length"
+
+
+def test_a_sampler_chain_that_fails_to_build_is_freed(monkeypatch):
+    freed: list = []
+    real_free = llama_cpp.llama_sampler_free
+
+    def free(ptr):
+        freed.append(ptr)
+        real_free(ptr)
+
+    def broken(*_a):
+        raise RuntimeError("no dist sampler")
+
+    monkeypatch.setattr(llama_cpp, "llama_sampler_free", free)
+    monkeypatch.setattr(llama_cpp, "llama_sampler_init_dist", broken)
+    with pytest.raises(RuntimeError, match="no dist sampler"):
+        SamplerChain(SamplingParams(temperature=0.8, top_k=5), n_vocab=1000)
+    assert len(freed) == 1
+
+
+def test_a_request_cut_by_shutdown_ends_with_an_error_not_cancelled(make_engine):
+    e = make_engine(n_parallel=1)
+    it = e.stream("a long one", SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True))
+    next(it)
+    e.close()
+    last = None
+    for o in it:
+        last = o
+    assert last is not None
+    assert last.finish_reason == "error" and last.status == 503 and last.error == SHUTTING_DOWN
+
+
+def test_a_frozen_peer_shows_as_a_stalled_decode(make_engine, rpc_endpoint, rpc_server_pid):
+    e = make_engine(n_parallel=1, rpc_endpoints=[rpc_endpoint], peer_layers=1)
+    assert e.stalled_for() == 0.0
+    it = e.stream("a long one", SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True))
+    next(it)
+    os.kill(rpc_server_pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        while e.stalled_for() < 1.5:
+            assert time.monotonic() < deadline, "the decode did not block on the stopped peer"
+            time.sleep(0.1)
+    finally:
+        os.kill(rpc_server_pid, signal.SIGCONT)
+    # the peer answers again: the same request goes on
+    n = 0
+    for o in it:
+        n += o.n_tokens
+        if n >= 3:
+            break
+    assert n >= 3
+    it.close()
+    deadline = time.monotonic() + 10
+    while e.stalled_for() > 1.0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
