@@ -123,6 +123,14 @@ class RpcStage:
             "cpu_seconds": cpu_seconds(self.proc.pid) if alive else 0.0,
         }
 
+    def kill_server(self) -> int | None:
+        """Fault injection (the soak, tests): SIGKILL the server; the supervisor restarts it."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return None
+        proc.kill()
+        return proc.pid
+
     def stop(self) -> None:
         self._stopping = True
         if self.proc and self.proc.poll() is None:

@@ -254,6 +254,7 @@ class EngineDeployment:
             "waiting": waiting,
             "active_slots": sum(len(g.active) for g in self.engine.groups),
             "rss_bytes": rss_bytes(os.getpid()),
+            "replica": self._replica,
         }
 
     def _default_max_tokens(self) -> int:

@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from starlette.background import BackgroundTask
 
 from deployments.protocol import ChatCompletionRequest, CompletionRequest, error_body, now, usage
 from engine.types import SHUTTING_DOWN, Output
+from observability.process import rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +147,19 @@ def _validation_message(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def _error_status(o: Output) -> tuple[int, str]:
+    """The HTTP status and message of a request's failed last output. A request is only
+    ever "cancelled" towards a client that is still there when the server cut it."""
+    if o.finish_reason == "cancelled":
+        return 503, SHUTTING_DOWN
+    return (o.status or 500), (o.error or "generation failed")
+
+
+def _error_of(o: Output) -> JSONResponse:
+    status, message = _error_status(o)
+    return err_response(status, message, headers={"Retry-After": "1"} if status == 503 else None)
+
+
 OFFLOAD_BYTES = 64 * 1024  # bodies larger than this are parsed off the event loop
 
 
@@ -232,7 +247,7 @@ class Ingress:
 
     def tables(self) -> dict:
         """Sizes of the per-request tables (a leak shows here)."""
-        return {"pending": len(self._pending), "connected": self._connected.is_set()}
+        return {"pending": len(self._pending), "connected": self._connected.is_set(), "rss_bytes": rss_bytes(os.getpid())}
 
     def __del__(self) -> None:
         # the engine's graceful shutdown must not wait on this replica's stream
@@ -480,15 +495,3 @@ class Ingress:
         self._check_auth(request)
         return get_redoc_html(openapi_url="/openapi.json", title=app.title)
 
-
-def _error_status(o: Output) -> tuple[int, str]:
-    """The HTTP status and message of a request's failed last output. A request is only
-    ever "cancelled" towards a client that is still there when the server cut it."""
-    if o.finish_reason == "cancelled":
-        return 503, SHUTTING_DOWN
-    return (o.status or 500), (o.error or "generation failed")
-
-
-def _error_of(o: Output) -> JSONResponse:
-    status, message = _error_status(o)
-    return err_response(status, message, headers={"Retry-After": "1"} if status == 503 else None)

@@ -139,8 +139,6 @@ def stream_outcome(base: str, body: dict) -> str:
 def test_an_engine_replica_restart_fails_only_its_requests_and_the_next_ones_complete(deploy):
     from concurrent.futures import ThreadPoolExecutor
 
-    from ray.util.state import list_actors
-
     base = deploy(APP)
     long = {"prompt": "long", "max_tokens": 5000, "ignore_eos": True}
     with ThreadPoolExecutor(4) as ex:
@@ -149,9 +147,9 @@ def test_an_engine_replica_restart_fails_only_its_requests_and_the_next_ones_com
         while sum(s["is_processing"] for s in httpx.get(base + "/slots", timeout=10).json()) < 4:
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        [engine] = [a for a in list_actors(filters=[("state", "=", "ALIVE")])
-                    if a.class_name.endswith("engine") and "pgroups" in a.class_name]
-        ray.kill(ray.get_actor(engine.name, namespace="serve"), no_restart=True)
+        [engine] = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["name"].startswith("SERVE_REPLICA::pgroups#engine#")]
+        ray.kill(ray.get_actor(engine["name"], namespace=engine["namespace"]), no_restart=True)
         cut = [f.result(timeout=150) for f in futs]
     assert all(c in ("error 503", "http 503") or c.startswith("transport") for c in cut), cut
     deadline = time.monotonic() + 180
