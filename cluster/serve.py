@@ -47,7 +47,9 @@ def drain_and_shutdown(address: str, drain_s: float) -> None:
                 log.info("application %s drained (%d request(s) cut)", name, cut["cut"])
             except Exception as e:
                 log.warning("draining application %s failed: %s", name, e)
+        t0 = time.monotonic()
         serve.shutdown()
+        log.info("Serve shut down in %.1f s", time.monotonic() - t0)
     finally:
         ray.shutdown()
 
@@ -106,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                 proc.kill()
                 proc.wait()
         if started:
+            t1 = time.monotonic()
             local_cluster.stop()
+            log.info("Ray stopped in %.1f s", time.monotonic() - t1)
         log.info("stopped in %.1f s", time.monotonic() - t0)
     return rc
 

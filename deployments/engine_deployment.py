@@ -151,11 +151,13 @@ class EngineDeployment:
             conn.queue.put_nowait(items)
 
     async def outputs(self, ingress_id: str, conn_id: str):
-        """One ingress replica's output stream: first ``{"connected": replica}``, then lists
+        """One ingress replica's output stream: first ``{"connected": replica}`` (or
+        ``{"refused": why}`` from a replica that is stopping, and the end), then lists
         of outputs (as tuples) of the requests it submitted on this connection. When the
         stream ends, only this connection's requests are cancelled."""
         if self._failed is not None or self._draining:
-            raise RuntimeError(self._failed or SHUTTING_DOWN)
+            yield {"refused": self._failed or SHUTTING_DOWN}  # the ingress retries later
+            return
         conn = self._conns[conn_id] = _Conn(ingress_id, conn_id)
         q = conn.queue
         try:

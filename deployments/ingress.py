@@ -207,14 +207,19 @@ class Ingress:
     async def _pump(self) -> None:
         """Hold one output stream from the engine, with a fresh connection id each time it is
         opened. When a stream ends, only the requests submitted on it fail (503, retry)."""
+        backoff = 0.2
         while True:
             conn = uuid.uuid4().hex
             try:
                 gen = self.engine.options(stream=True).outputs.remote(self.ingress_id, conn)
                 async for batch in gen:
-                    if isinstance(batch, dict):  # the engine replica registered this stream
-                        self._conn = conn
+                    if isinstance(batch, dict):
+                        if "refused" in batch:  # a replica that is stopping; Serve replaces it
+                            log.info("engine replica refused the output stream: %s", batch["refused"])
+                            break
+                        self._conn = conn  # the engine replica registered this stream
                         self._connected.set()
+                        backoff = 0.2
                         continue
                     for t in batch:
                         p = self._pending.get(t[0])
@@ -232,7 +237,8 @@ class Ingress:
             for rid, p in lost:
                 p.queue.put_nowait(Output(rid, "", 0, "error", error="the engine replica restarted; retry the request",
                                           status=503))
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
 
     async def _connection(self) -> str:
         self._ensure_pump()
