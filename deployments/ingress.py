@@ -10,13 +10,14 @@ A client that goes away cancels its request in the engine.
 
 
 import asyncio
+import contextvars
 import hmac
 import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -160,6 +161,19 @@ def _error_of(o: Output) -> JSONResponse:
     return err_response(status, message, headers={"Retry-After": "1"} if status == 503 else None)
 
 
+_BACKGROUND: set[asyncio.Task] = set()  # strong references until done
+
+
+def _detached(coro: Coroutine) -> asyncio.Task:
+    """Run ``coro`` outside the HTTP request that asked for it. Serve cancels the handle
+    calls made in a request's context when that request ends or its client goes away: the
+    shared output stream, or a cancel sent as a client leaves, must not go with it."""
+    task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    return task
+
+
 OFFLOAD_BYTES = 64 * 1024  # bodies larger than this are parsed off the event loop
 
 
@@ -202,7 +216,7 @@ class Ingress:
 
     def _ensure_pump(self) -> None:
         if self._pump_task is None or self._pump_task.done():
-            self._pump_task = asyncio.get_running_loop().create_task(self._pump())
+            self._pump_task = _detached(self._pump())
 
     async def _pump(self) -> None:
         """Hold one output stream from the engine, with a fresh connection id each time it is
@@ -226,7 +240,9 @@ class Ingress:
                         if p is not None:
                             p.queue.put_nowait(Output(*t))
             except asyncio.CancelledError:
-                raise
+                if asyncio.current_task().cancelling():  # the ingress is stopping
+                    raise
+                log.warning("output stream %s from the engine was cancelled", conn[:8])
             except Exception as e:  # the engine replica died or is being replaced
                 log.warning("output stream %s from the engine ended: %s", conn[:8], e)
             finally:
@@ -350,10 +366,13 @@ class Ingress:
         """Forget a request; cancel it in the engine unless it finished."""
         p = self._pending.pop(rid, None)
         if p is not None and not p.finished:
-            try:
-                await self.engine.cancel.remote(rid)
-            except Exception:  # the engine is gone; nothing to cancel
-                pass
+            _detached(self._cancel(rid))
+
+    async def _cancel(self, rid: str) -> None:
+        try:
+            await self.engine.cancel.remote(rid)
+        except Exception:  # the engine is gone; nothing to cancel
+            pass
 
     async def _outputs(self, rid: str, q: asyncio.Queue) -> AsyncIterator[list[Output]]:
         """The request's outputs until its last, as lists of what has arrived since the last

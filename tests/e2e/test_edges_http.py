@@ -183,3 +183,31 @@ def test_a_stage_whose_settings_changed_is_restarted_not_reused(deploy):
     assert after["endpoint"].endswith(":50153") and after["pid"] != before["pid"]
     r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
+
+
+def test_the_first_client_vanishing_does_not_take_the_output_stream_with_it(deploy):
+    """The first request of a fresh ingress opens the shared output stream. Serve cancels the
+    calls made in a request's context when its client goes away: the stream, and the other
+    requests on it, must not go with it."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = deploy({**APP, "rpc": {"port": 50154, "threads": 1}})  # a fresh ingress replica
+    host, port = base.removeprefix("http://").split(":")
+    first = socket.create_connection((host, int(port)), timeout=60)
+    body = json.dumps({"prompt": "first", "max_tokens": 2000, "ignore_eos": True, "stream": True}).encode()
+    first.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+    assert b" 200 " in first.recv(4096).split(b"\r\n", 1)[0]
+    others = {"prompt": "on the same stream", "max_tokens": 300, "ignore_eos": True}
+    with ThreadPoolExecutor(3) as ex:
+        futs = [ex.submit(stream_outcome, base, others) for _ in range(3)]
+        deadline = time.monotonic() + 60
+        while sum(s["is_processing"] for s in httpx.get(base + "/slots", timeout=10).json()) < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        first.close()  # the request that opened the output stream goes away
+        outcomes = [f.result(timeout=150) for f in futs]
+    assert outcomes == ["completed"] * 3, outcomes
+    ing, eng = wait_empty()
+    assert ing["pending"] == 0 and eng["owners"] == 0 and eng["connections"] == 1, (ing, eng)
