@@ -79,47 +79,17 @@ class RpcArgs(BaseModel):
         return self
 
 
-class AppArgs(BaseModel):
-    """Arguments of ``build_app`` (the ``args:`` of a Serve config); llama-server flags in brackets."""
+class AppArgs(EngineConfig):
+    """Arguments of ``build_app`` (the ``args:`` of a Serve config), flat: every key of
+    ``EngineConfig`` (one definition, one default, one description) plus the deployment's
+    own keys below. llama-server flags in brackets."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(default=str(DEFAULT_MODEL), description="GGUF file on the local node [-m]; default: Gemma 3 270M (`make model`).")
-    model_alias: str | None = Field(default=None, description="Model name the API reports and accepts [--alias].")
-    n_ctx: int = Field(default=4096, ge=16, description="Total context, divided over the slots [-c].")
-    n_parallel: int = Field(default=8, ge=1, description="Slots [--parallel].")
-    pipeline_groups: int = Field(default=1, ge=1, description="llama_contexts the slots are spread over [--pipeline-groups].")
-    n_batch: int = Field(default=512, ge=1, description="Most tokens per decode step [-b].")
-    n_ubatch: int = Field(default=512, ge=1, description="Physical micro-batch [-ub].")
-    n_threads: int = Field(default=0, ge=0, description="Threads of the local device; 0 is one per core [-t].")
-    devices: list[str] | None = Field(
-        default=None,
-        description="Devices in layer order [--device]; default RPC first, local device last, so "
-        "the output layer and the logits stay local.",
-    )
-    tensor_split: list[float] | None = EngineConfig.model_fields["tensor_split"]
-    peer_layers: int | None = EngineConfig.model_fields["peer_layers"]
-    kv_unified: bool = EngineConfig.model_fields["kv_unified"]
-    swa_full: bool = EngineConfig.model_fields["swa_full"]
-    flash_attn: bool | None = EngineConfig.model_fields["flash_attn"]
-    chat_template: str | None = EngineConfig.model_fields["chat_template"]
-    chat_template_file: str | None = EngineConfig.model_fields["chat_template_file"]
-    local_cpus: list[int] | None = EngineConfig.model_fields["local_cpus"]
-    n_gpu_layers: int = Field(default=-1, description="Layers on devices, -1 all [-ngl].")
     rpc: RpcArgs | None = Field(default=None, description="The peer stage [--rpc]; absent or disabled: no split.")
-    cache_prompt: bool = Field(default=True, description="Reuse a slot's cached prefix for a new prompt.")
-    slot_prompt_similarity: float = Field(
-        default=0.1, ge=0.0, le=1.0,
-        description="Least shared fraction of the prompt for a slot to be chosen by prefix; else LRU [-sps].",
-    )
     api_key: str | None = Field(default=None, description="Require 'Authorization: Bearer <key>' on every endpoint but /health [--api-key].")
-    sample_threads: int = Field(default=0, ge=0, description="Sampling threads over all groups; 1 is serial.")
-    backend_sampling: bool = Field(default=False, description="Sample in the compute graph where the chain allows it.")
-    max_queued_requests: int = Field(default=256, ge=0, description="Requests that may wait for a slot before HTTP 429.")
     request_timeout_s: float | None = Field(default=None, gt=0, description="Cancel a request that runs longer [--timeout].")
-    slot_save_path: str | None = Field(default=None, description="Folder for slot save/restore files [--slot-save-path].")
-    profile: bool = Field(default=False, description="Log each group's host path every 5 s (also PGROUPS_PROFILE=1).")
-    graph_reuse: bool = Field(default=False, description="Allow llama.cpp graph reuse (see the README on RPC races).")
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, description="Largest accepted request body.")
     stage_timeout_s: float = Field(
         default=60.0, gt=0,
@@ -132,36 +102,11 @@ class AppArgs(BaseModel):
         "on the node with 'stage_peer' when the cluster has them.",
     )
 
-    def engine_config(self, rpc_endpoints: list[str]) -> EngineConfig:
-        return EngineConfig(
-            model=self.model,
-            model_alias=self.model_alias,
-            n_ctx=self.n_ctx,
-            n_parallel=self.n_parallel,
-            pipeline_groups=self.pipeline_groups,
-            n_batch=self.n_batch,
-            n_ubatch=self.n_ubatch,
-            n_threads=self.n_threads,
-            devices=self.devices,
-            rpc_endpoints=rpc_endpoints,
-            n_gpu_layers=self.n_gpu_layers,
-            tensor_split=self.tensor_split,
-            peer_layers=self.peer_layers,
-            kv_unified=self.kv_unified,
-            swa_full=self.swa_full,
-            flash_attn=self.flash_attn,
-            chat_template=self.chat_template,
-            chat_template_file=self.chat_template_file,
-            local_cpus=self.local_cpus,
-            cache_prompt=self.cache_prompt,
-            slot_prompt_similarity=self.slot_prompt_similarity,
-            sample_threads=self.sample_threads,
-            backend_sampling=self.backend_sampling,
-            max_queued_requests=self.max_queued_requests,
-            slot_save_path=self.slot_save_path,
-            profile=self.profile,
-            graph_reuse=self.graph_reuse,
-        )
+    def engine_config(self, stage_endpoints: list[str]) -> EngineConfig:
+        """The engine's part, with the started stage's endpoint after any given ones."""
+        fields = self.model_dump(include=set(EngineConfig.model_fields))
+        fields["rpc_endpoints"] = [*self.rpc_endpoints, *stage_endpoints]
+        return EngineConfig(**fields)
 
 
 def _has_resource(name: str) -> bool:

@@ -19,7 +19,7 @@ class EngineConfig(BaseModel):
     n_ctx: int = Field(
         default=4096, ge=16, description="Total context over all slots; each slot gets n_ctx / n_parallel [-c]."
     )
-    n_parallel: int = Field(default=4, ge=1, le=1024, description="Number of slots [--parallel].")
+    n_parallel: int = Field(default=8, ge=1, le=1024, description="Number of slots [--parallel].")
     pipeline_groups: int = Field(
         default=1,
         ge=1,

@@ -175,3 +175,21 @@ def test_sse_events_encode_as_openai_chunks():
         assert d["object"] == ("chat.completion.chunk" if kind == "chat" else "text_completion")
         last = _json.loads(ev.chunk("x", "stop")[6:])
         assert last["choices"][0]["finish_reason"] == "stop"
+
+
+def test_app_args_are_the_engine_config_plus_the_deployments_keys(monkeypatch):
+    from deployments.app import AppArgs
+    from engine import EngineConfig
+
+    monkeypatch.setenv("PGROUPS_PROFILE", "1")
+    a = AppArgs()
+    cfg = a.engine_config(["10.0.0.2:50052"])
+    assert cfg.profile  # the environment switch reaches the served path
+    for name, field in EngineConfig.model_fields.items():
+        if name != "model":
+            assert getattr(cfg, name) == getattr(a, name) or name == "rpc_endpoints", name
+        assert AppArgs.model_fields[name].description, name
+    assert cfg.rpc_endpoints == ["10.0.0.2:50052"]
+    assert cfg.n_parallel == EngineConfig(model="m").n_parallel
+    assert set(AppArgs.model_fields) - set(EngineConfig.model_fields) == {
+        "rpc", "api_key", "request_timeout_s", "max_body_bytes", "stage_timeout_s", "placement"}
