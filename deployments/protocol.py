@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.grammar import JSON_OBJECT_SCHEMA, schema_to_grammar
 from engine.sampling import SamplingParams
 
 MAX_PROMPT_CHARS = 1_000_000
@@ -32,8 +33,17 @@ class _Common(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repeat_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
     ignore_eos: bool = False
+    # structured output: OpenAI's response_format, llama-server's grammar and json_schema
+    response_format: dict[str, Any] | None = None
+    grammar: str | None = Field(default=None, description="GBNF the output must match (llama-server).")
+    json_schema: dict[str, Any] | None = Field(default=None, description="A JSON schema the output must match (llama-server).")
+    n_predict: int | None = Field(default=None, ge=-1, le=1_000_000, description="llama-server's max_tokens; -1: no limit.")
+    # accepted and ignored, as OpenAI's API defines them for what this server does not keep
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
     @field_validator("n")
     @classmethod
@@ -49,12 +59,38 @@ class _Common(BaseModel):
             raise ValueError("at most 16 stop strings")
         return v
 
+    def grammar_text(self) -> str | None:
+        """The one GBNF grammar the request asks for, from whichever field it used."""
+        asked = [k for k in ("grammar", "json_schema") if getattr(self, k) is not None]
+        rf = self.response_format
+        kind = rf.get("type") if rf else None
+        if kind not in (None, "text"):
+            asked.append("response_format")
+        if len(asked) > 1:
+            raise ValueError(f"set one of grammar, json_schema and response_format, not {' and '.join(asked)}")
+        if self.grammar is not None:
+            return self.grammar
+        if self.json_schema is not None:
+            return schema_to_grammar(self.json_schema)
+        if kind in (None, "text"):
+            return None
+        if kind == "json_object":
+            return schema_to_grammar(JSON_OBJECT_SCHEMA)
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError("response_format.json_schema must be an object with a 'schema'")
+            return schema_to_grammar(spec.get("schema", {}), "response_format.json_schema.schema")
+        raise ValueError(f"response_format type {kind!r} is not one of text, json_object, json_schema")
+
     def sampling(self, default_max_tokens: int, max_tokens: int | None = None) -> SamplingParams:
+        n_predict = self.n_predict if self.n_predict and self.n_predict > 0 else None
         d: dict[str, Any] = {
-            "max_tokens": max_tokens or self.max_tokens or default_max_tokens,
+            "max_tokens": max_tokens or self.max_tokens or n_predict or default_max_tokens,
             "stop": self.stop,
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
+            "grammar": self.grammar_text(),
         }
         for k in (
             "temperature",
@@ -136,7 +172,6 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -150,8 +185,6 @@ class ChatCompletionRequest(_Common):
             raise ValueError("logprobs is not supported")
         if self.tools:
             raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("only response_format type 'text' is supported")
         total = sum(len(m.text()) for m in self.messages)
         if total > MAX_PROMPT_CHARS:
             raise ValueError(f"messages longer than {MAX_PROMPT_CHARS} characters")

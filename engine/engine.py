@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.grammar import check_grammar
 from engine.group import CancelMsg, PipelineGroup, SlotBusyError, SlotOpMsg, StartMsg
 from engine.native import Model, add_rpc_server, local_device_name
 from engine.sampling import SamplingParams
@@ -154,6 +155,8 @@ class Engine:
         bad_bias = [t for t in params.logit_bias if t >= self.model.n_vocab]
         if bad_bias:
             raise RequestError(f"logit_bias token ids out of range: {bad_bias[:5]}")
+        if params.grammar:
+            check_grammar(self.model.vocab, params.grammar)  # a bad grammar is the request's 400
         return Request(
             id=request_id or uuid.uuid4().hex,
             prompt_tokens=tokens,

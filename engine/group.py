@@ -104,6 +104,7 @@ class PipelineGroup:
         )
         self.prof = GroupProfiler(index, kv_total=self.ctx.n_ctx, enabled_log=config.profile)
         self.active: list[Slot] = []
+        self._row_errors: dict[int, str] = {}  # slot id -> why its sampler failed this step
         self.alive = True
         self.error: str | None = None
         # when the decode in progress began (time.monotonic), 0.0 between decodes: a decode
@@ -238,7 +239,8 @@ class PipelineGroup:
         s.req = r
         backend = self.config.backend_sampling
         s.sampler = SamplerChain(r.params, self.n_vocab, self.config.seed, force_chain=backend,
-                                 banned=self.tok.eog_tokens if r.params.ignore_eos else ())
+                                 banned=self.tok.eog_tokens if r.params.ignore_eos else (),
+                                 vocab=self.model.vocab)
         s.sampler.accept_prompt(tokens)
         if backend and s.sampler.offloadable:
             s.on_backend = self.ctx.set_sampler(s.seq_id, s.sampler.ptr)
@@ -337,18 +339,27 @@ class PipelineGroup:
     def _sample(self, rows: list[Slot], logits: np.ndarray) -> list[int]:
         n = len(rows)
         if self.pool is None or n < 2:
-            return [s.sampler.sample(logits[i]) for i, s in enumerate(rows)]
+            return [self._sample_row(s, logits[i]) for i, s in enumerate(rows)]
         k = min(self.n_sample_threads, n)
         bounds = [n * j // k for j in range(k + 1)]
 
         def work(lo: int, hi: int) -> list[int]:
-            return [rows[i].sampler.sample(logits[i]) for i in range(lo, hi)]
+            return [self._sample_row(rows[i], logits[i]) for i in range(lo, hi)]
 
         futs = [self.pool.submit(work, bounds[j], bounds[j + 1]) for j in range(1, k)]
         out = work(bounds[0], bounds[1])
         for f in futs:
             out.extend(f.result())
         return out
+
+    def _sample_row(self, s: Slot, row: np.ndarray) -> int:
+        """One row's token, or -1 when its sampler fails (e.g. a grammar that no token of
+        the vocabulary can continue): that request ends with an error, the group goes on."""
+        try:
+            return s.sampler.sample(row)
+        except Exception as e:
+            self._row_errors[s.id] = f"sampling failed: {e}"
+            return -1
 
     def _sample_backend(self, rows: list[Slot], row_idx: list[int]) -> list[int]:
         """Rows sampled in the graph are read back; the others sample from their logits row."""
@@ -357,7 +368,7 @@ class PipelineGroup:
             if s.on_backend:
                 out.append(self.ctx.sampled_token(i))
             else:
-                out.append(s.sampler.sample(self.ctx.logits_row(i, self.n_vocab)))
+                out.append(self._sample_row(s, self.ctx.logits_row(i, self.n_vocab)))
         return out
 
     def _process(self, s: Slot, tok: int) -> Output | None:
@@ -365,6 +376,8 @@ class PipelineGroup:
         prof = self.prof
         t0 = time.perf_counter()
         r = s.req
+        if tok < 0:
+            return self._finish(s, "error", s.text.flush(), error=self._row_errors.pop(s.id, "sampling failed"))
         s.sampler.accept(tok)
         s.n_generated += 1
         s.last_token = tok

@@ -8,10 +8,15 @@ few functions needed are declared here with ctypes against the libraries it ship
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import os
 import pathlib
+import sys
+import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import llama_cpp
@@ -107,6 +112,36 @@ def init_backend(quiet: bool = True) -> None:
 
 
 _log_cb = None  # keeps the ctypes callback alive
+_capture = threading.local()
+
+
+_stderr_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def native_errors() -> Iterator[list[str]]:
+    """Collect the error lines llama.cpp reports meanwhile: those it logs on this thread, and
+    those it prints to stderr (its grammar parser does). Lines printed by other threads in
+    that moment go on to stderr as usual. Short native calls only."""
+    lines: list[str] = []
+    _capture.lines = lines
+    with _stderr_lock, tempfile.TemporaryFile() as tmp:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            _capture.lines = None
+            tmp.seek(0)
+            printed = tmp.read().decode("utf-8", "replace")
+            for line in printed.splitlines():
+                if "error" in line or line.startswith(("parse:", "failed")):
+                    lines.insert(0, line.strip())
+                else:
+                    sys.stderr.write(line + "\n")
 
 
 def _install_log_callback() -> None:
@@ -117,7 +152,11 @@ def _install_log_callback() -> None:
     def _cb(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
         if level >= 4 or not text:  # GGML_LOG_LEVEL_ERROR == 4
             if level == 4 and text:
-                native_log.error(text.decode("utf-8", "replace").rstrip())
+                msg = text.decode("utf-8", "replace").rstrip()
+                lines = getattr(_capture, "lines", None)
+                if lines is not None:
+                    lines.append(msg)
+                native_log.error(msg)
             return
         native_log.debug(text.decode("utf-8", "replace").rstrip())
 

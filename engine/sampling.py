@@ -16,7 +16,7 @@ import threading
 
 import llama_cpp
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")], align=True)
 assert TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
@@ -40,6 +40,7 @@ class SamplingParams(BaseModel):
     stop: tuple[str, ...] = Field(default=(), max_length=16)
     logit_bias: dict[int, float] = Field(default_factory=dict, max_length=1024)
     ignore_eos: bool = False
+    grammar: str | None = Field(default=None, max_length=1_000_000, description="GBNF the output must match.")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -60,13 +61,19 @@ class SamplingParams(BaseModel):
                 raise ValueError(f"logit_bias token id {tok} is negative")
         return v
 
+    @model_validator(mode="after")
+    def _grammar_needs_eos(self) -> SamplingParams:
+        if self.grammar and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be used with a grammar: a complete output ends with EOS")
+        return self
+
     @property
     def penalised(self) -> bool:
         return self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def is_plain_greedy(self) -> bool:
-        return self.temperature <= 0.0 and not self.logit_bias and not self.penalised
+        return self.temperature <= 0.0 and not self.logit_bias and not self.penalised and not self.grammar
 
 
 class Candidates:
@@ -83,6 +90,21 @@ class Candidates:
             sorted=False,
         )
         self._ref = ctypes.byref(self.struct)
+        self._one = np.zeros(1, TOKEN_DATA)
+        self._one_struct = llama_cpp.llama_token_data_array(
+            data=self._one.ctypes.data_as(llama_cpp.llama_token_data_p), size=1, selected=-1, sorted=False
+        )
+        self._one_ref = ctypes.byref(self._one_struct)
+
+    def allows(self, grammar: object, token: int, logit: float) -> bool:
+        """Whether the grammar accepts ``token`` next (it is checked alone, not the vocabulary)."""
+        one = self._one
+        one[0] = (token, logit, 0.0)
+        s = self._one_struct
+        s.data = one.ctypes.data_as(llama_cpp.llama_token_data_p)
+        s.size, s.selected, s.sorted = 1, -1, False
+        llama_cpp.llama_sampler_apply(grammar, self._one_ref)
+        return bool(np.isfinite(one[0]["logit"]))
 
     def fill(self, row: np.ndarray) -> ctypes._CArgObject:
         a = self.arr
@@ -118,6 +140,7 @@ class SamplerChain:
         default_seed: int = -1,
         force_chain: bool = False,
         banned: list[int] | tuple[int, ...] = (),
+        vocab: object = None,
     ) -> None:
         """``banned`` tokens are never sampled (``ignore_eos`` bans every end-of-generation token)."""
         self.params = params
@@ -128,14 +151,21 @@ class SamplerChain:
         self.greedy = params.is_plain_greedy and not force_chain
         # llama.cpp runs top-k, top-p, min-p, temperature, dist, greedy and the logit bias of
         # banned tokens in the graph; penalties and a request's own logit bias stay on the host
-        self.offloadable = not params.logit_bias and not self.penalised
+        self.offloadable = not params.logit_bias and not self.penalised and not params.grammar
         seed = params.seed
         if seed is None:
             seed = default_seed if default_seed >= 0 else random.randrange(0, 2**32 - 1)
         self.seed = seed
         self.ptr = None
+        self.grammar = None
         if self.greedy:
             return
+        if params.grammar:
+            from engine.grammar import init_grammar
+
+            if vocab is None:
+                raise ValueError("a grammar needs the model's vocabulary")
+            self.grammar = init_grammar(vocab, params.grammar)
         sp = llama_cpp.llama_sampler_chain_default_params()
         sp.no_perf = True
         chain = llama_cpp.llama_sampler_chain_init(sp)
@@ -145,6 +175,7 @@ class SamplerChain:
             self._build(chain, params, n_vocab, seed)
         except BaseException:
             llama_cpp.llama_sampler_free(chain)  # with the samplers already added to it
+            self.close()
             raise
         self.ptr = chain
 
@@ -188,7 +219,15 @@ class SamplerChain:
                 row[self.banned] = -np.inf
             return int(np.argmax(row))
         cand = thread_candidates(self.n_vocab)
-        ref = cand.fill(row)
+        tok = self._pick(cand, cand.fill(row))
+        if self.grammar is not None and not cand.allows(self.grammar, tok, row[tok]):
+            # rejected: the grammar masks every candidate, then the chain picks again
+            ref = cand.fill(row)
+            llama_cpp.llama_sampler_apply(self.grammar, ref)
+            tok = self._pick(cand, ref)
+        return tok
+
+    def _pick(self, cand: Candidates, ref: object) -> int:
         llama_cpp.llama_sampler_apply(self.ptr, ref)
         s = cand.struct
         if s.selected < 0 or s.selected >= s.size:
@@ -205,8 +244,13 @@ class SamplerChain:
     def accept(self, token: int) -> None:
         if self.ptr is not None:
             llama_cpp.llama_sampler_accept(self.ptr, token)
+        if self.grammar is not None:
+            llama_cpp.llama_sampler_accept(self.grammar, token)
 
     def close(self) -> None:
         if self.ptr is not None:
             llama_cpp.llama_sampler_free(self.ptr)
             self.ptr = None
+        if self.grammar is not None:
+            llama_cpp.llama_sampler_free(self.grammar)
+            self.grammar = None

@@ -100,3 +100,25 @@ def test_a_frozen_peer_shows_as_a_stalled_decode(make_engine, rpc_endpoint, rpc_
     while e.stalled_for() > 1.0:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def test_a_sampler_that_fails_ends_its_request_and_the_group_goes_on(make_engine, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    real = SamplerChain.sample
+
+    def sample(self, row):
+        if self.params.seed == 666:
+            raise RuntimeError("no token can continue the grammar")
+        return real(self, row)
+
+    monkeypatch.setattr(SamplerChain, "sample", sample)
+    e = make_engine(n_parallel=2)
+    bad = SamplingParams(temperature=0.5, seed=666, max_tokens=8)
+    good = SamplingParams(temperature=0.5, seed=1, max_tokens=8, ignore_eos=True)
+    with ThreadPoolExecutor(2) as ex:
+        fb, fg = ex.submit(e.generate, "one", bad), ex.submit(e.generate, "two", good)
+        b, g = fb.result(60), fg.result(60)
+    assert b.final.finish_reason == "error" and "no token can continue" in b.final.error
+    assert g.final.finish_reason == "length" and g.final.completion_tokens == 8
+    assert e.healthy and e.generate("three", good).final.completion_tokens == 8

@@ -185,7 +185,7 @@ def test_app_args_are_the_engine_config_plus_the_deployments_keys(monkeypatch):
     a = AppArgs()
     cfg = a.engine_config(["10.0.0.2:50052"])
     assert cfg.profile  # the environment switch reaches the served path
-    for name, field in EngineConfig.model_fields.items():
+    for name in EngineConfig.model_fields:
         if name != "model":
             assert getattr(cfg, name) == getattr(a, name) or name == "rpc_endpoints", name
         assert AppArgs.model_fields[name].description, name

@@ -100,6 +100,11 @@ BAD = [
     ("prompt longer than the slot", {"prompt": "hello " * 3000, "max_tokens": 4}, 400),
     ("token ids out of range", {"prompt": [1, 2, 99999999]}, 400),
     ("unknown model", {"prompt": "hi", "model": "gpt-17"}, 404),
+    ("grammar that does not parse", {"prompt": "hi", "grammar": 'root ::= ("a"'}, 400),
+    ("schema that is not an object", {"prompt": "hi", "json_schema": [1, 2]}, 400),
+    ("two structured-output fields", {"prompt": "hi", "grammar": 'root ::= "a"', "response_format": {"type": "json_object"}}, 400),
+    ("unknown response_format", {"prompt": "hi", "response_format": {"type": "yaml"}}, 400),
+    ("grammar with ignore_eos", {"prompt": "hi", "grammar": 'root ::= "a"', "ignore_eos": True}, 400),
 ]
 
 
@@ -144,3 +149,25 @@ def test_dropped_streams_free_their_slots(base):
         time.sleep(0.2)
     assert all(not s["is_processing"] for s in slots), slots
     assert httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
+
+
+def test_structured_output_through_the_openai_sdk(client):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "w": {"enum": ["a", "b"]}},
+              "required": ["n", "w"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="synthetic.gguf", messages=[{"role": "user", "content": "json please"}], max_tokens=48,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}},
+    )
+    out = json.loads(r.choices[0].message.content)
+    assert set(out) == {"n", "w"} and isinstance(out["n"], int) and out["w"] in ("a", "b")
+    assert r.choices[0].finish_reason == "stop"
+    # llama-server's grammar field, streamed; OpenAI's no-op fields are accepted
+    chunks = list(client.completions.create(
+        model="synthetic.gguf", prompt="answer", max_tokens=8, stream=True, user="u1",
+        extra_body={"grammar": 'root ::= ("yes" | "no") "!"', "store": False, "metadata": {"k": "v"},
+                    "service_tier": "auto"},
+    ))
+    assert "".join(c.choices[0].text for c in chunks) in ("yes!", "no!")
+    # n_predict is llama-server's max_tokens
+    r = client.completions.create(model="synthetic.gguf", prompt="count", extra_body={"n_predict": 3, "ignore_eos": True})
+    assert r.usage.completion_tokens == 3
