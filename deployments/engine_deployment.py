@@ -14,12 +14,28 @@ import os
 import socket
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from ray import serve
 
-from deployments.protocol import ChatCompletionRequest, CompletionRequest
-from engine import Engine, EngineConfig, Output, QueueFullError, RequestError, SlotBusyError
+from deployments.protocol import (
+    ApplyTemplateRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    piece_json,
+)
+from engine import (
+    Engine,
+    EngineConfig,
+    Output,
+    QueueFullError,
+    RequestError,
+    SamplingParams,
+    SlotBusyError,
+)
 from engine.types import SHUTTING_DOWN, Request
 from observability.metrics import EngineMetrics
 from observability.process import rss_bytes
@@ -225,6 +241,62 @@ class EngineDeployment:
             prompt = creq.prompt  # type: ignore[assignment]
             params = creq.sampling(self._default_max_tokens())
         return self.engine.make_request(prompt, params, request_id)
+
+    # ---- llama-server's utility endpoints (off the event loop: inputs can be large) -----------
+
+    async def tokenize(self, body: dict) -> dict:
+        def work() -> dict:
+            req = TokenizeRequest.model_validate(body)
+            toks = self.engine.tokenizer.encode(req.content, add_special=req.add_special,
+                                                parse_special=req.parse_special)
+            if not req.with_pieces:
+                return {"tokens": toks}
+            return {"tokens": [{"id": t, "piece": piece_json(self.engine.tokenizer.piece(t))} for t in toks]}
+
+        return await self._utility(work)
+
+    async def detokenize(self, body: dict) -> dict:
+        def work() -> dict:
+            req = DetokenizeRequest.model_validate(body)
+            bad = [t for t in req.tokens if not 0 <= t < self.engine.model.n_vocab]
+            if bad:
+                raise RequestError(f"token ids out of range [0, {self.engine.model.n_vocab}): {bad[:5]}")
+            return {"content": self.engine.tokenizer.decode(req.tokens)}
+
+        return await self._utility(work)
+
+    async def apply_template(self, body: dict) -> dict:
+        def work() -> dict:
+            req = ApplyTemplateRequest.model_validate(body)
+            text = self.engine.tokenizer.apply_chat_template(req.template_messages(), kwargs=req.chat_template_kwargs)
+            return {"prompt": text}
+
+        return await self._utility(work)
+
+    async def _utility(self, work: Callable[[], dict]) -> dict:
+        try:
+            return await asyncio.to_thread(work)
+        except ValueError as e:  # pydantic's ValidationError, RequestError, TemplateError
+            return error("invalid_request_error", str(e), 400)
+
+    async def props(self) -> dict:
+        tok = self.engine.tokenizer
+        return {
+            "model_alias": self.model_name,
+            "model_path": self.config.model,
+            "total_slots": self.config.n_parallel,
+            "pipeline_groups": self.config.pipeline_groups,
+            "default_generation_settings": {
+                "n_ctx": self.engine.n_ctx_slot,
+                "params": SamplingParams(max_tokens=self.engine.n_ctx_slot).model_dump(mode="json"),
+            },
+            "chat_template": tok.template.source,
+            "chat_template_origin": tok.template.origin,
+            "bos_token": tok.bos_text,
+            "eos_token": tok.eos_text,
+            "modalities": {"vision": False, "audio": False},
+            "devices": self.engine.devices,
+        }
 
     async def drain(self, grace_s: float) -> dict:
         """Stop taking requests; give running ones ``grace_s`` to finish, then end the rest

@@ -27,7 +27,16 @@ from pydantic import ValidationError
 from ray import serve
 from starlette.background import BackgroundTask
 
-from deployments.protocol import ChatCompletionRequest, CompletionRequest, error_body, now, usage
+from deployments.protocol import (
+    ApplyTemplateRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+    now,
+    usage,
+)
 from engine.types import SHUTTING_DOWN, Output
 from observability.process import rss_bytes
 
@@ -38,7 +47,13 @@ app = FastAPI(title="pipeline-groups OpenAI-compatible API", version="0.1.0",
               docs_url=None, redoc_url=None, openapi_url=None)
 
 _REF = "#/components/schemas/{model}"
-_BODY_MODELS = {"CompletionRequest": CompletionRequest, "ChatCompletionRequest": ChatCompletionRequest}
+_BODY_MODELS = {
+    "CompletionRequest": CompletionRequest,
+    "ChatCompletionRequest": ChatCompletionRequest,
+    "TokenizeRequest": TokenizeRequest,
+    "DetokenizeRequest": DetokenizeRequest,
+    "ApplyTemplateRequest": ApplyTemplateRequest,
+}
 
 
 def _body(name: str) -> dict:
@@ -464,6 +479,33 @@ class Ingress:
     @app.post("/v1/chat/completions", openapi_extra=_body("ChatCompletionRequest"))
     async def chat_completions(self, request: Request) -> Response:
         return await self._submit(request, "chat")
+
+    # ---- llama-server's utility endpoints ----------------------------------------------------
+
+    async def _utility(self, request: Request, method: str) -> Response:
+        self._check_auth(request)
+        body = await self._json(request)
+        res = await getattr(self.engine, method).remote(body)
+        if "error" in res:
+            return err_response(res["error"]["status"], res["error"]["message"])
+        return JSONResponse(res)
+
+    @app.post("/tokenize", openapi_extra=_body("TokenizeRequest"))
+    async def tokenize(self, request: Request) -> Response:
+        return await self._utility(request, "tokenize")
+
+    @app.post("/detokenize", openapi_extra=_body("DetokenizeRequest"))
+    async def detokenize(self, request: Request) -> Response:
+        return await self._utility(request, "detokenize")
+
+    @app.post("/apply-template", openapi_extra=_body("ApplyTemplateRequest"))
+    async def apply_template(self, request: Request) -> Response:
+        return await self._utility(request, "apply_template")
+
+    @app.get("/props")
+    async def props(self, request: Request) -> Response:
+        self._check_auth(request)
+        return JSONResponse(await self.engine.props.remote())
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:

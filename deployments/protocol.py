@@ -209,3 +209,45 @@ def usage(prompt: int, completion: int, cached: int) -> dict:
 
 def now() -> int:
     return int(time.time())
+
+
+# ---- llama-server's utility endpoints ---------------------------------------------------------
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (llama-server)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
+    add_special: bool = Field(default=False, description="Add the model's BOS/EOS as a prompt would get them.")
+    parse_special: bool = Field(default=True, description="Read special-token text (e.g. <start_of_turn>) as those tokens.")
+    with_pieces: bool = Field(default=False, description="Return [{id, piece}] instead of ids.")
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (llama-server)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: list[int] = Field(max_length=1_000_000)
+
+
+class ApplyTemplateRequest(BaseModel):
+    """``POST /apply-template`` (llama-server): the prompt the chat template makes of messages."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def piece_json(piece: bytes) -> str | list[int]:
+    """A token's text as llama-server shows it: a string when it is valid UTF-8, else its bytes."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(piece)

@@ -161,3 +161,23 @@ def test_drain_finishes_short_requests_and_cuts_long_ones_with_an_error(model_pa
         assert (await d.submit("c", "late", "completion", SHORT))["error"]["status"] == 503
 
     run(model_path, body)
+
+
+def test_llama_servers_utility_endpoints(model_path):
+    async def body(d: Any) -> None:
+        toks = (await d.tokenize({"content": "hello world"}))["tokens"]
+        assert toks and all(isinstance(t, int) for t in toks)
+        assert (await d.tokenize({"content": "hello world", "add_special": True}))["tokens"][1:] == toks
+        pieces = (await d.tokenize({"content": "hello world", "with_pieces": True}))["tokens"]
+        assert [p["id"] for p in pieces] == toks and "".join(p["piece"] for p in pieces).strip() == "hello world"
+        assert (await d.detokenize({"tokens": toks}))["content"].strip() == "hello world"
+        bad = await d.detokenize({"tokens": [1, 10**9]})
+        assert bad["error"]["status"] == 400 and "out of range" in bad["error"]["message"]
+        assert (await d.tokenize({"content": 5}))["error"]["status"] == 400
+        prompt = (await d.apply_template({"messages": [{"role": "user", "content": "hi"}]}))["prompt"]
+        assert "hi" in prompt and prompt != "hi"
+        props = await d.props()
+        assert props["total_slots"] == 2 and props["default_generation_settings"]["n_ctx"] == d.engine.n_ctx_slot
+        assert props["chat_template"]
+
+    run(model_path, body)

@@ -171,3 +171,14 @@ def test_structured_output_through_the_openai_sdk(client):
     # n_predict is llama-server's max_tokens
     r = client.completions.create(model="synthetic.gguf", prompt="count", extra_body={"n_predict": 3, "ignore_eos": True})
     assert r.usage.completion_tokens == 3
+
+
+def test_llama_server_utility_routes(base):
+    toks = httpx.post(base + "/tokenize", json={"content": "hello world"}).json()["tokens"]
+    assert httpx.post(base + "/detokenize", json={"tokens": toks}).json()["content"].strip() == "hello world"
+    r = httpx.post(base + "/apply-template", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and "hi" in r.json()["prompt"]
+    props = httpx.get(base + "/props").json()
+    assert props["total_slots"] == APP["n_parallel"] and props["pipeline_groups"] == APP["pipeline_groups"]
+    assert httpx.post(base + "/detokenize", json={"tokens": "x"}).status_code == 400
+    assert httpx.post(base + "/tokenize", content=b"{", headers={"content-type": "application/json"}).status_code == 400

@@ -45,7 +45,8 @@ def all_idle(base: str, timeout_s: float = 20.0) -> bool:
 @pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("GET", "/slots"), ("GET", "/metrics"),
                                           ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
                                           ("POST", "/slots/0?action=erase"), ("GET", "/docs"),
-                                          ("GET", "/redoc"), ("GET", "/openapi.json")])
+                                          ("GET", "/redoc"), ("GET", "/openapi.json"), ("POST", "/tokenize"),
+                                          ("POST", "/detokenize"), ("POST", "/apply-template"), ("GET", "/props")])
 def test_api_key_required_everywhere_but_health(base, method, path):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         r = httpx.request(method, base + path, headers=headers, json={"prompt": "hi"})
