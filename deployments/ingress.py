@@ -32,6 +32,7 @@ from deployments.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LogprobsShaper,
     TokenizeRequest,
     error_body,
     now,
@@ -113,8 +114,8 @@ class SseEvents:
         ) + b"}\n\n"
         self.include_usage = include_usage
 
-    def chunk(self, text: str | None, finish: str | None, first: bool = False) -> bytes:
-        if text and finish is None and not first:  # the per-token case
+    def chunk(self, text: str | None, finish: str | None, first: bool = False, logprobs: dict | None = None) -> bytes:
+        if text and finish is None and not first and logprobs is None:  # the per-token case
             return self._prefix + json.dumps(text, ensure_ascii=False).encode() + self._suffix
         if self.kind == "chat":
             delta: dict[str, Any] = {}
@@ -122,9 +123,9 @@ class SseEvents:
                 delta["role"] = "assistant"
             if text:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         body = {**self.head, "choices": [choice]}
         if self.include_usage:
             body["usage"] = None
@@ -370,12 +371,12 @@ class Ingress:
             # the task runs however the response ends, also when the client is gone before
             # the stream starts (then the generator never runs and cannot clean up itself)
             return StreamingResponse(
-                self._sse(rid, p.queue, kind, model, req.include_usage),
+                self._sse(rid, p.queue, kind, model, req.include_usage, req.n_logprobs() is not None),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 background=BackgroundTask(self._release, rid),
             )
-        return await self._collect(rid, p.queue, kind, model)
+        return await self._collect(rid, p.queue, kind, model, req.n_logprobs() is not None)
 
     async def _release(self, rid: str) -> None:
         """Forget a request; cancel it in the engine unless it finished."""
@@ -417,53 +418,62 @@ class Ingress:
         finally:
             await self._release(rid)
 
-    async def _collect(self, rid: str, q: asyncio.Queue, kind: str, model: str) -> Response:
+    async def _collect(self, rid: str, q: asyncio.Queue, kind: str, model: str, want_logprobs: bool) -> Response:
         parts: list[str] = []
+        entries: list[tuple] = []
         last = None
         async for batch in self._outputs(rid, q):
             parts.extend(o.text for o in batch)
+            entries.extend(e for o in batch if o.logprobs for e in o.logprobs)
             last = batch[-1]
         assert last is not None
         if last.finish_reason in ("error", "cancelled"):
             return _error_of(last)
         text = "".join(parts)
         u = usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+        lp = LogprobsShaper(kind).shape(entries) if want_logprobs else None
         if kind == "chat":
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
                 "finish_reason": last.finish_reason,
-                "logprobs": None,
+                "logprobs": lp,
             }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": lp}
             obj = "text_completion"
         return JSONResponse(
             {"id": rid, "object": obj, "created": now(), "model": model, "choices": [choice], "usage": u}
         )
 
-    async def _sse(self, rid: str, q: asyncio.Queue, kind: str, model: str, include_usage: bool):
+    async def _sse(self, rid: str, q: asyncio.Queue, kind: str, model: str, include_usage: bool,
+                   want_logprobs: bool = False):
         ev = SseEvents(rid, kind, model, include_usage)
+        shaper = LogprobsShaper(kind) if want_logprobs else None
         if kind == "chat":
             yield ev.chunk(None, None, first=True)
         async for batch in self._outputs(rid, q):
             last = batch[-1]
             # the text of every step that has arrived goes out in one event
             text = "".join(o.text for o in batch)
+            lp = None
+            if shaper is not None:
+                entries = [e for o in batch if o.logprobs for e in o.logprobs]
+                lp = shaper.shape(entries) if entries else None
             if last.finish_reason in ("error", "cancelled"):
                 status, message = _error_status(last)
                 err = error_body(message, ERROR_TYPES.get(status, "server_error"), status)
                 yield (ev.chunk(text, None) if text else b"") + b"data: " + json.dumps(err).encode() + b"\n\n" + DONE
                 return
             if last.finish_reason is None:
-                if text:
-                    yield ev.chunk(text, None)
+                if text or lp:
+                    yield ev.chunk(text, None, logprobs=lp)
                 continue
-            if kind == "chat" and text:
-                out = ev.chunk(text, None) + ev.chunk(None, last.finish_reason)
+            if kind == "chat" and (text or lp):
+                out = ev.chunk(text, None, logprobs=lp) + ev.chunk(None, last.finish_reason)
             else:
-                out = ev.chunk(text, last.finish_reason)
+                out = ev.chunk(text, last.finish_reason, logprobs=lp)
             if include_usage:
                 out += ev.usage(last)
             yield out + DONE

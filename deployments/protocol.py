@@ -39,6 +39,7 @@ class _Common(BaseModel):
     grammar: str | None = Field(default=None, description="GBNF the output must match (llama-server).")
     json_schema: dict[str, Any] | None = Field(default=None, description="A JSON schema the output must match (llama-server).")
     n_predict: int | None = Field(default=None, ge=-1, le=1_000_000, description="llama-server's max_tokens; -1: no limit.")
+    n_probs: int | None = Field(default=None, ge=0, le=20, description="llama-server's logprobs: this many alternatives per token.")
     # accepted and ignored, as OpenAI's API defines them for what this server does not keep
     user: str | None = None
     store: bool | None = None
@@ -91,6 +92,7 @@ class _Common(BaseModel):
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
             "grammar": self.grammar_text(),
+            "logprobs": self.n_logprobs(),
         }
         for k in (
             "temperature",
@@ -114,6 +116,10 @@ class _Common(BaseModel):
             d["logit_bias"] = bias
         return SamplingParams(**d)
 
+    def n_logprobs(self) -> int | None:
+        """How many alternatives each token's log probability comes with; None: not asked."""
+        return self.n_probs
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
@@ -122,7 +128,7 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20, description="Log probabilities of each token and this many alternatives.")
     suffix: str | None = None
     best_of: int | None = None
 
@@ -130,8 +136,6 @@ class CompletionRequest(_Common):
     def _check(self) -> CompletionRequest:
         if self.echo:
             raise ValueError("echo is not supported")
-        if self.logprobs:
-            raise ValueError("logprobs is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of not in (None, 1):
@@ -146,6 +150,9 @@ class CompletionRequest(_Common):
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("the prompt is empty")
         return self
+
+    def n_logprobs(self) -> int | None:
+        return self.logprobs if self.logprobs is not None else self.n_probs
 
 
 class ChatMessage(BaseModel):
@@ -171,7 +178,7 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -181,8 +188,8 @@ class ChatCompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
-        if self.logprobs:
-            raise ValueError("logprobs is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         if self.tools:
             raise ValueError("tools are not supported")
         total = sum(len(m.text()) for m in self.messages)
@@ -192,6 +199,43 @@ class ChatCompletionRequest(_Common):
 
     def template_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def n_logprobs(self) -> int | None:
+        if self.logprobs:
+            return self.top_logprobs or 0
+        return self.n_probs
+
+
+class LogprobsShaper:
+    """Token log probabilities in OpenAI's shapes, one request at a time (a stream keeps the
+    completion text's offset across its chunks). Entries come from the engine as
+    ``(piece, logprob, ((piece, logprob), ...))`` with pieces as bytes."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.offset = 0
+
+    def shape(self, entries: list[tuple]) -> dict[str, Any]:
+        if self.kind == "chat":
+            return {"content": [
+                {**_token(p, lp), "top_logprobs": [_token(tp, tlp) for tp, tlp in top]} for p, lp, top in entries
+            ]}
+        tokens, offsets = [], []
+        for p, _lp, _top in entries:
+            t = p.decode("utf-8", "replace")
+            tokens.append(t)
+            offsets.append(self.offset)
+            self.offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for _p, lp, _top in entries],
+            "top_logprobs": [{tp.decode("utf-8", "replace"): tlp for tp, tlp in top} for _p, _lp, top in entries],
+            "text_offset": offsets,
+        }
+
+
+def _token(piece: bytes, logprob: float) -> dict[str, Any]:
+    return {"token": piece.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(piece)}
 
 
 def error_body(message: str, type_: str, code: int | str | None = None, param: str | None = None) -> dict:

@@ -26,7 +26,7 @@ import numpy as np
 from engine.batching import Entry, count_ubatches, order_entries
 from engine.config import EngineConfig
 from engine.native import Batch, Context, Model, NativeError
-from engine.sampling import SamplerChain
+from engine.sampling import SamplerChain, token_logprobs
 from engine.slots import Slot, SlotState, SlotView, common_prefix
 from engine.text import TextStream
 from engine.tokenizer import Tokenizer
@@ -105,6 +105,7 @@ class PipelineGroup:
         self.prof = GroupProfiler(index, kv_total=self.ctx.n_ctx, enabled_log=config.profile)
         self.active: list[Slot] = []
         self._row_errors: dict[int, str] = {}  # slot id -> why its sampler failed this step
+        self._row_logprobs: dict[int, tuple] = {}  # slot id -> this step's token logprobs
         self.alive = True
         self.error: str | None = None
         # when the decode in progress began (time.monotonic), 0.0 between decodes: a decode
@@ -356,10 +357,17 @@ class PipelineGroup:
         """One row's token, or -1 when its sampler fails (e.g. a grammar that no token of
         the vocabulary can continue): that request ends with an error, the group goes on."""
         try:
-            return s.sampler.sample(row)
+            tok = s.sampler.sample(row)
         except Exception as e:
             self._row_errors[s.id] = f"sampling failed: {e}"
             return -1
+        k = s.req.params.logprobs
+        if k is not None:  # only the rows that ask pay for it
+            lp, top = token_logprobs(row, tok, k)
+            piece = self.tok.piece
+            self._row_logprobs[s.id] = ((piece(tok, special=False), lp,
+                                         tuple((piece(t, special=False), v) for t, v in top)),)
+        return tok
 
     def _sample_backend(self, rows: list[Slot], row_idx: list[int]) -> list[int]:
         """Rows sampled in the graph are read back; the others sample from their logits row."""
@@ -384,6 +392,7 @@ class PipelineGroup:
         if s.n_generated == 1:
             s.t_first_token = time.monotonic()
             s.state = SlotState.GENERATING
+        lps = self._row_logprobs.pop(s.id, None) if self._row_logprobs else None
         if self.tok.is_eog(tok):  # never with ignore_eos: the sampler bans these tokens then
             prof.add("detok", time.perf_counter() - t0)
             # the end-of-generation token is not text; what was held back is
@@ -396,8 +405,8 @@ class PipelineGroup:
         if s.text.stopped_by is not None:
             return self._finish(s, "stop", text, counted=True)
         if s.n_generated >= r.n_predict:
-            return self._finish(s, "length", text + s.text.flush(), counted=True)
-        return Output(r.id, text, 1)
+            return self._finish(s, "length", text + s.text.flush(), counted=True, logprobs=lps)
+        return Output(r.id, text, 1, logprobs=lps)
 
     def _finish(
         self,
@@ -409,6 +418,7 @@ class PipelineGroup:
         status: int = 0,
         counted: bool = False,
         release: bool = True,
+        logprobs: tuple | None = None,
     ) -> Output:
         r = s.req
         now = time.monotonic()
@@ -425,6 +435,7 @@ class PipelineGroup:
             t_queue=s.t_start - r.t_arrival,
             t_end=now - r.t_arrival,
             status=status,
+            logprobs=logprobs,
         )
         if s.on_backend:
             self.ctx.set_sampler(s.seq_id, None)

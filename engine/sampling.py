@@ -41,6 +41,10 @@ class SamplingParams(BaseModel):
     logit_bias: dict[int, float] = Field(default_factory=dict, max_length=1024)
     ignore_eos: bool = False
     grammar: str | None = Field(default=None, max_length=1_000_000, description="GBNF the output must match.")
+    logprobs: int | None = Field(
+        default=None, ge=0, le=20,
+        description="Report each generated token's log probability and this many most likely alternatives.",
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -74,6 +78,19 @@ class SamplingParams(BaseModel):
     @property
     def is_plain_greedy(self) -> bool:
         return self.temperature <= 0.0 and not self.logit_bias and not self.penalised and not self.grammar
+
+
+def token_logprobs(row: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log probability of ``token`` (a log-softmax of the raw logits, before any
+    sampler) and the ``k`` most likely tokens with theirs, most likely first."""
+    m = float(row.max())
+    lse = m + float(np.log(np.exp((row - m).astype(np.float64)).sum()))
+    top: list[tuple[int, float]] = []
+    if k:
+        idx = np.argpartition(row, -k)[-k:]
+        idx = idx[np.argsort(row[idx])[::-1]]
+        top = [(int(i), float(row[i]) - lse) for i in idx]
+    return float(row[token]) - lse, top
 
 
 class Candidates:
@@ -151,7 +168,9 @@ class SamplerChain:
         self.greedy = params.is_plain_greedy and not force_chain
         # llama.cpp runs top-k, top-p, min-p, temperature, dist, greedy and the logit bias of
         # banned tokens in the graph; penalties and a request's own logit bias stay on the host
-        self.offloadable = not params.logit_bias and not self.penalised and not params.grammar
+        # logprobs read the row of logits on the host
+        self.offloadable = (not params.logit_bias and not self.penalised and not params.grammar
+                            and params.logprobs is None)
         seed = params.seed
         if seed is None:
             seed = default_seed if default_seed >= 0 else random.randrange(0, 2**32 - 1)

@@ -47,3 +47,6 @@ class Output(NamedTuple):
     t_queue: float = 0.0  # seconds waiting for a slot (on the final output)
     t_end: float = 0.0  # seconds from arrival to this final output
     status: int = 0  # with finish_reason "error": the HTTP status it maps to (500 when 0)
+    # per generated token of this output, when the request asked: (piece, logprob, top), top
+    # being ((piece, logprob), ...) of the most likely tokens; pieces are the token's bytes
+    logprobs: tuple | None = None

@@ -193,3 +193,16 @@ def test_app_args_are_the_engine_config_plus_the_deployments_keys(monkeypatch):
     assert cfg.n_parallel == EngineConfig(model="m").n_parallel
     assert set(AppArgs.model_fields) - set(EngineConfig.model_fields) == {
         "rpc", "api_key", "request_timeout_s", "max_body_bytes", "stage_timeout_s", "placement"}
+
+
+def test_token_logprobs_are_a_log_softmax_with_the_top_alternatives():
+    from engine.sampling import token_logprobs
+
+    rng = np.random.default_rng(0)
+    row = (rng.standard_normal(5000) * 4).astype(np.float32)
+    ref = row.astype(np.float64) - np.log(np.exp(row.astype(np.float64)).sum())
+    lp, top = token_logprobs(row, 17, 5)
+    assert abs(lp - ref[17]) < 1e-4
+    assert [t for t, _ in top] == list(np.argsort(ref)[::-1][:5])
+    assert all(abs(v - ref[t]) < 1e-4 for t, v in top)
+    assert token_logprobs(row, 3, 0)[1] == []

@@ -182,3 +182,27 @@ def test_llama_server_utility_routes(base):
     assert props["total_slots"] == APP["n_parallel"] and props["pipeline_groups"] == APP["pipeline_groups"]
     assert httpx.post(base + "/detokenize", json={"tokens": "x"}).status_code == 400
     assert httpx.post(base + "/tokenize", content=b"{", headers={"content-type": "application/json"}).status_code == 400
+
+
+def test_logprobs_through_the_openai_sdk(client):
+    kw = {"model": "synthetic.gguf", "max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    msgs = [{"role": "user", "content": "hello"}]
+    r = client.chat.completions.create(messages=msgs, logprobs=True, top_logprobs=3, **kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob
+        assert abs(t.top_logprobs[0].logprob - t.logprob) < 1e-6  # greedy takes the most likely
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    streamed = [t for c in client.chat.completions.create(messages=msgs, logprobs=True, top_logprobs=3, stream=True, **kw)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    # the same tokens; the figures within rounding (the second request reuses the first's cached prompt)
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert all(abs(a.logprob - b.logprob) < 0.02 for a, b in zip(streamed, content, strict=True))
+    # completions: OpenAI's legacy shape
+    c = client.completions.create(prompt="hello", logprobs=2, **kw).choices[0]
+    assert "".join(c.logprobs.tokens) == c.text and len(c.logprobs.token_logprobs) == 6
+    assert c.logprobs.text_offset == sorted(c.logprobs.text_offset) and all(len(t) == 2 for t in c.logprobs.top_logprobs)
+    # not asked: null
+    assert client.completions.create(prompt="hello", **kw).choices[0].logprobs is None

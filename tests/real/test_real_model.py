@@ -6,6 +6,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import llama_cpp
+import numpy as np
 import pytest
 
 from engine import RequestError, SamplingParams
@@ -74,6 +75,26 @@ def test_split_gives_the_tokens_of_the_unsplit_model(make_gemma, oracle, rpc_end
                        rpc_endpoints=[rpc_endpoint], peer_layers=9, repack=False)
         assert _run(e) == want
         e.close()
+
+
+def test_logprobs_equal_a_log_softmax_of_llama_cpp_pythons_logits(make_gemma, gemma_path):
+    llm = llama_cpp.Llama(gemma_path, n_ctx=N_CTX_SLOT, n_batch=512, n_threads=2, flash_attn=False,
+                          swa_full=False, verbose=False, logits_all=True)
+    try:
+        toks = llm.tokenize(PROMPTS[0].encode(), add_bos=True, special=True)
+        llm.eval(toks)
+        row = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+        pieces = {t: llm.detokenize([t]) for t in np.argsort(row)[::-1][:5]}
+    finally:
+        llm.close()
+    ref = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
+    best = np.argsort(ref)[::-1][:5]
+    e = make_gemma(n_parallel=1, n_ctx=N_CTX_SLOT, cache_prompt=False)
+    c = e.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=1, logprobs=5))
+    [(piece, lp, top)] = c.final.logprobs
+    assert piece == pieces[best[0]] and abs(lp - ref[best[0]]) < 0.02
+    assert [p for p, _ in top] == [pieces[t] for t in best]
+    assert all(abs(v - ref[t]) < 0.02 for (_, v), t in zip(top, best, strict=True))
 
 
 def test_concurrent_requests_all_speak_english(make_gemma):
