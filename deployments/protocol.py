@@ -13,6 +13,22 @@ from engine.sampling import SamplingParams
 MAX_PROMPT_CHARS = 1_000_000
 
 
+def _sampling(name: str) -> Any:
+    """An optional request field with the bounds and description of ``SamplingParams.<name>``."""
+    f = SamplingParams.model_fields[name]
+    bounds = {k: getattr(m, k) for m in f.metadata for k in ("ge", "gt", "le", "lt", "max_length")
+              if getattr(m, k, None) is not None}
+    return Field(default=None, description=f.description, **bounds)
+
+
+SAMPLING_KEYS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repeat_penalty",
+    "repeat_last_n", "min_keep", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dry_multiplier",
+    "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "dynatemp_range",
+    "dynatemp_exponent", "mirostat", "mirostat_tau", "mirostat_eta", "samplers",
+)
+
+
 class _Common(BaseModel):
     """Fields shared by completions and chat; unknown fields are refused (400)."""
 
@@ -20,18 +36,36 @@ class _Common(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     n: int = Field(default=1, description="only 1 is supported")
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=2**32 - 2)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repeat_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    # the sampling fields: their bounds and meaning are SamplingParams' (one definition)
+    temperature: float | None = _sampling("temperature")
+    top_p: float | None = _sampling("top_p")
+    top_k: int | None = _sampling("top_k")
+    min_p: float | None = _sampling("min_p")
+    seed: int | None = _sampling("seed")
+    presence_penalty: float | None = _sampling("presence_penalty")
+    frequency_penalty: float | None = _sampling("frequency_penalty")
+    repeat_penalty: float | None = _sampling("repeat_penalty")
+    repeat_last_n: int | None = _sampling("repeat_last_n")
+    min_keep: int | None = _sampling("min_keep")
+    typical_p: float | None = _sampling("typical_p")
+    top_n_sigma: float | None = _sampling("top_n_sigma")
+    xtc_probability: float | None = _sampling("xtc_probability")
+    xtc_threshold: float | None = _sampling("xtc_threshold")
+    dry_multiplier: float | None = _sampling("dry_multiplier")
+    dry_base: float | None = _sampling("dry_base")
+    dry_allowed_length: int | None = _sampling("dry_allowed_length")
+    dry_penalty_last_n: int | None = _sampling("dry_penalty_last_n")
+    dry_sequence_breakers: list[str] | None = _sampling("dry_sequence_breakers")
+    dynatemp_range: float | None = _sampling("dynatemp_range")
+    dynatemp_exponent: float | None = _sampling("dynatemp_exponent")
+    mirostat: int | None = _sampling("mirostat")
+    mirostat_tau: float | None = _sampling("mirostat_tau")
+    mirostat_eta: float | None = _sampling("mirostat_eta")
+    samplers: list[str] | None = _sampling("samplers")
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     # structured output: OpenAI's response_format, llama-server's grammar and json_schema
@@ -89,20 +123,11 @@ class _Common(BaseModel):
         d: dict[str, Any] = {
             "max_tokens": max_tokens or self.max_tokens or n_predict or default_max_tokens,
             "stop": self.stop,
-            "seed": self.seed,
             "ignore_eos": self.ignore_eos,
             "grammar": self.grammar_text(),
             "logprobs": self.n_logprobs(),
         }
-        for k in (
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "presence_penalty",
-            "frequency_penalty",
-            "repeat_penalty",
-        ):
+        for k in SAMPLING_KEYS:
             v = getattr(self, k)
             if v is not None:
                 d[k] = v

@@ -22,6 +22,11 @@ TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")], align=Tru
 assert TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
 
 
+# llama-server's sampler names (and the aliases it accepts) -> the names the chain uses
+SAMPLER_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+SAMPLER_NAMES = {**{s: s for s in SAMPLER_ORDER}, "typical_p": "typ_p", "temp": "temperature", "nucleus": "top_p"}
+
+
 class SamplingParams(BaseModel):
     """What a request may set; out-of-range values are refused (HTTP 400)."""
 
@@ -40,6 +45,28 @@ class SamplingParams(BaseModel):
     stop: tuple[str, ...] = Field(default=(), max_length=16)
     logit_bias: dict[int, float] = Field(default_factory=dict, max_length=1024)
     ignore_eos: bool = False
+    # llama-server's further samplers; their defaults leave them out of the chain
+    min_keep: int = Field(default=0, ge=0, le=1000, description="Least candidates top-p, min-p, typical-p and XTC keep.")
+    typical_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Locally typical sampling; 1 is off.")
+    top_n_sigma: float = Field(default=-1.0, ge=-1.0, le=100.0, description="Keep logits within n standard deviations of the top one; <= 0 is off.")
+    xtc_probability: float = Field(default=0.0, ge=0.0, le=1.0, description="XTC: chance of excluding the top choices; 0 is off.")
+    xtc_threshold: float = Field(default=0.1, ge=0.0, le=1.0, description="XTC: least probability of an excluded top choice.")
+    dry_multiplier: float = Field(default=0.0, ge=0.0, le=100.0, description="DRY repetition penalty strength; 0 is off.")
+    dry_base: float = Field(default=1.75, ge=1.0, le=10.0, description="DRY: base of the penalty's growth.")
+    dry_allowed_length: int = Field(default=2, ge=0, le=10_000, description="DRY: repeats up to this long go unpenalised.")
+    dry_penalty_last_n: int = Field(default=-1, ge=-1, description="DRY: tokens looked back over; -1 the whole context.")
+    dry_sequence_breakers: tuple[str, ...] = Field(default=("\n", ":", '"', "*"), max_length=64,
+                                                   description="DRY: strings that end a repeated sequence.")
+    dynatemp_range: float = Field(default=0.0, ge=0.0, le=2.0, description="Dynamic temperature: +- this range by entropy; 0 is off.")
+    dynatemp_exponent: float = Field(default=1.0, ge=0.0, le=10.0, description="Dynamic temperature: the entropy exponent.")
+    mirostat: int = Field(default=0, ge=0, le=2, description="Mirostat version (1 or 2); 0 is off. It replaces top-k/p and the others.")
+    mirostat_tau: float = Field(default=5.0, gt=0.0, le=100.0, description="Mirostat: target surprise.")
+    mirostat_eta: float = Field(default=0.1, gt=0.0, le=1.0, description="Mirostat: learning rate.")
+    samplers: tuple[str, ...] | None = Field(
+        default=None, max_length=16,
+        description="Order of the samplers (llama-server's names: penalties, dry, top_n_sigma, top_k, typ_p, top_p, "
+        "min_p, xtc, temperature); those left out are not used. Default: that order.",
+    )
     grammar: str | None = Field(default=None, max_length=1_000_000, description="GBNF the output must match.")
     logprobs: int | None = Field(
         default=None, ge=0, le=20,
@@ -66,10 +93,32 @@ class SamplingParams(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _grammar_needs_eos(self) -> SamplingParams:
+    def _check(self) -> SamplingParams:
         if self.grammar and self.ignore_eos:
             raise ValueError("ignore_eos cannot be used with a grammar: a complete output ends with EOS")
+        unknown = [s for s in self.samplers or () if s not in SAMPLER_NAMES]
+        if unknown:
+            raise ValueError(f"unknown samplers {unknown}; known: {', '.join(SAMPLER_ORDER)}")
         return self
+
+    # ---- what the request's sampling needs: one place ---------------------------------------
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        return tuple(SAMPLER_NAMES[s] for s in self.samplers) if self.samplers is not None else SAMPLER_ORDER
+
+    @property
+    def dry(self) -> bool:
+        return self.dry_multiplier > 0.0 and "dry" in self.order
+
+    @property
+    def host_only(self) -> bool:
+        """Needs a sampler llama.cpp cannot run in the compute graph (or the raw logits)."""
+        return bool(
+            self.logit_bias or self.penalised or self.grammar or self.logprobs is not None or self.dry
+            or self.typical_p < 1.0 or self.top_n_sigma > 0.0 or self.xtc_probability > 0.0
+            or self.dynatemp_range > 0.0 or self.mirostat or self.samplers is not None
+        )
 
     @property
     def penalised(self) -> bool:
@@ -77,7 +126,8 @@ class SamplingParams(BaseModel):
 
     @property
     def is_plain_greedy(self) -> bool:
-        return self.temperature <= 0.0 and not self.logit_bias and not self.penalised and not self.grammar
+        return (self.temperature <= 0.0 and not self.logit_bias and not self.penalised and not self.grammar
+                and not self.dry)
 
 
 def token_logprobs(row: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
@@ -162,15 +212,14 @@ class SamplerChain:
         """``banned`` tokens are never sampled (``ignore_eos`` bans every end-of-generation token)."""
         self.params = params
         self.n_vocab = n_vocab
+        self.vocab = vocab
         self.banned = np.asarray([t for t in banned if t < n_vocab], dtype=np.int64)
         self.penalised = params.penalised
         # backend sampling needs a real chain, also for plain greedy
         self.greedy = params.is_plain_greedy and not force_chain
         # llama.cpp runs top-k, top-p, min-p, temperature, dist, greedy and the logit bias of
         # banned tokens in the graph; penalties and a request's own logit bias stay on the host
-        # logprobs read the row of logits on the host
-        self.offloadable = (not params.logit_bias and not self.penalised and not params.grammar
-                            and params.logprobs is None)
+        self.offloadable = not params.host_only
         seed = params.seed
         if seed is None:
             seed = default_seed if default_seed >= 0 else random.randrange(0, 2**32 - 1)
@@ -208,27 +257,56 @@ class SamplerChain:
                 *[llama_cpp.llama_logit_bias(token=t, bias=b) for t, b in items]
             )
             add(chain, llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(items), arr))
-        if self.penalised:
-            last_n = params.repeat_last_n if params.repeat_last_n >= 0 else 4096
-            add(
-                chain,
-                llama_cpp.llama_sampler_init_penalties(
-                    n_vocab,
-                    last_n,
-                    params.repeat_penalty, params.frequency_penalty, params.presence_penalty
-                ),
-            )
-        if params.temperature <= 0.0:
+        p = params
+        keep = max(1, p.min_keep)
+        greedy = p.temperature <= 0.0
+        for name in p.order:
+            if name == "penalties" and self.penalised:
+                last_n = p.repeat_last_n if p.repeat_last_n >= 0 else 4096
+                add(chain, llama_cpp.llama_sampler_init_penalties(
+                    n_vocab, last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty))
+            elif name == "dry" and p.dry:
+                add(chain, self._dry(p))
+            elif greedy or p.mirostat:
+                continue  # greedy and mirostat take the whole distribution after the penalties
+            elif name == "top_n_sigma" and p.top_n_sigma > 0.0:
+                add(chain, llama_cpp.llama_sampler_init_top_n_sigma(p.top_n_sigma))
+            elif name == "top_k" and p.top_k > 0:
+                add(chain, llama_cpp.llama_sampler_init_top_k(p.top_k))
+            elif name == "typ_p" and p.typical_p < 1.0:
+                add(chain, llama_cpp.llama_sampler_init_typical(p.typical_p, keep))
+            elif name == "top_p" and p.top_p < 1.0:
+                add(chain, llama_cpp.llama_sampler_init_top_p(p.top_p, keep))
+            elif name == "min_p" and p.min_p > 0.0:
+                add(chain, llama_cpp.llama_sampler_init_min_p(p.min_p, keep))
+            elif name == "xtc" and p.xtc_probability > 0.0:
+                add(chain, llama_cpp.llama_sampler_init_xtc(p.xtc_probability, p.xtc_threshold, keep, seed))
+            elif name == "temperature":
+                add(chain, self._temperature(p))
+        if greedy:
             add(chain, llama_cpp.llama_sampler_init_greedy())
-            return
-        if params.top_k > 0:
-            add(chain, llama_cpp.llama_sampler_init_top_k(params.top_k))
-        if params.top_p < 1.0:
-            add(chain, llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
-        if params.min_p > 0.0:
-            add(chain, llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
-        add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
-        add(chain, llama_cpp.llama_sampler_init_dist(seed))
+        elif p.mirostat == 1:
+            add(chain, self._temperature(p))
+            add(chain, llama_cpp.llama_sampler_init_mirostat(n_vocab, seed, p.mirostat_tau, p.mirostat_eta, 100))
+        elif p.mirostat == 2:
+            add(chain, self._temperature(p))
+            add(chain, llama_cpp.llama_sampler_init_mirostat_v2(seed, p.mirostat_tau, p.mirostat_eta))
+        else:
+            add(chain, llama_cpp.llama_sampler_init_dist(seed))
+
+    @staticmethod
+    def _temperature(p: SamplingParams) -> object:
+        if p.dynatemp_range > 0.0:
+            return llama_cpp.llama_sampler_init_temp_ext(p.temperature, p.dynatemp_range, p.dynatemp_exponent)
+        return llama_cpp.llama_sampler_init_temp(p.temperature)
+
+    def _dry(self, p: SamplingParams) -> object:
+        if self.vocab is None:
+            raise ValueError("the DRY sampler needs the model's vocabulary")
+        breakers = [b.encode() for b in p.dry_sequence_breakers]
+        arr = (ctypes.c_char_p * len(breakers))(*breakers)
+        return llama_cpp.llama_sampler_init_dry(self.vocab, p.dry_multiplier, p.dry_base, p.dry_allowed_length,
+                                                p.dry_penalty_last_n, arr, len(breakers))
 
     def sample(self, row: np.ndarray) -> int:
         """Pick the next token from one row of logits (any thread; one row at a time)."""

@@ -243,3 +243,26 @@ def test_a_request_that_fails_to_start_reports_its_own_figures(make_engine, monk
     assert 0.0 <= failed.final.t_queue <= failed.final.t_end
     monkeypatch.undo()
     assert e.generate("hello world", GREEDY).text == first.text  # the group goes on
+
+
+@pytest.mark.parametrize("extra", [
+    {"typical_p": 0.7}, {"top_n_sigma": 1.5}, {"xtc_probability": 0.5, "xtc_threshold": 0.05},
+    {"dry_multiplier": 0.8}, {"dynatemp_range": 0.5}, {"mirostat": 1}, {"mirostat": 2},
+    {"samplers": ("min_p", "temperature"), "min_p": 0.1}, {"min_keep": 5, "top_p": 0.5},
+], ids=lambda d: ",".join(d))
+def test_llama_servers_samplers_run_seeded_and_deterministic(make_engine, extra):
+    e = make_engine(n_parallel=1)
+    p = SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True, **extra)
+    a, b = e.generate("once upon a time", p), e.generate("once upon a time", p)
+    assert a.text == b.text and a.final.completion_tokens == 12
+
+
+def test_the_sampler_order_leaves_out_what_it_does_not_name(make_engine):
+    e = make_engine(n_parallel=1)
+    greedy = e.generate("once upon a time", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)).text
+    # top-k 1 alone (no temperature stage): the most likely token, whatever the seed
+    for seed in range(3):
+        p = SamplingParams(temperature=1.5, top_k=1, samplers=("top_k",), seed=seed, max_tokens=12, ignore_eos=True)
+        assert e.generate("once upon a time", p).text == greedy
+    with pytest.raises(ValueError, match="unknown samplers"):
+        SamplingParams(samplers=("top_q",))

@@ -206,3 +206,14 @@ def test_logprobs_through_the_openai_sdk(client):
     assert c.logprobs.text_offset == sorted(c.logprobs.text_offset) and all(len(t) == 2 for t in c.logprobs.top_logprobs)
     # not asked: null
     assert client.completions.create(prompt="hello", **kw).choices[0].logprobs is None
+
+
+def test_llama_server_sampler_fields_over_http(base):
+    body = {"prompt": "hello", "max_tokens": 6, "seed": 3, "temperature": 0.9, "ignore_eos": True, "typical_p": 0.8,
+            "dry_multiplier": 0.5, "mirostat": 2, "samplers": ["penalties", "dry", "temperature"], "min_keep": 2}
+    a = httpx.post(base + "/v1/completions", json=body, timeout=60)
+    b = httpx.post(base + "/v1/completions", json=body, timeout=60)
+    assert a.status_code == 200 and a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
+    bad = httpx.post(base + "/v1/completions", json={**body, "samplers": ["nope"]}, timeout=60)
+    assert bad.status_code == 400 and "unknown samplers" in bad.json()["error"]["message"]
+    assert httpx.post(base + "/v1/completions", json={**body, "typical_p": 3}, timeout=60).status_code == 400
