@@ -14,7 +14,6 @@ import argparse
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from pathlib import Path
 
 from bench.clients import LoadResult, make_prompts, run_engine, run_http
 from bench.report import write_reports
-from cluster.rpc_stage import port_listening
+from cluster import rpc_server
 from engine import Engine, EngineConfig
 from engine.synthetic_model import ModelShape, write_model
 from observability.process import cpu_seconds, rss_bytes
@@ -78,15 +77,7 @@ class RpcServer:
 
     def __init__(self, port: int) -> None:
         self.port = port
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster.rpc_server", "--host", "127.0.0.1", "--port", str(port), "--threads", "1"],
-            stdout=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 60
-        while not port_listening(port):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the RPC server did not start")
-            time.sleep(0.1)
+        self.proc = rpc_server.launch("127.0.0.1", port, threads=1)
 
     @property
     def endpoint(self) -> str:
@@ -152,16 +143,10 @@ class HttpStack:
     """The local two-node Ray cluster with Serve on a bench port."""
 
     def __init__(self) -> None:
-        import ray
-        from ray import serve
-
         from cluster import local_cluster
 
-        self.local_cluster = local_cluster
-        local_cluster.stop()
-        address = local_cluster.start(port=6392, head_cpus=8, peer_cpus=2)
-        ray.init(address=address, namespace="pipeline-groups", log_to_driver=False, logging_level=logging.WARNING)
-        serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
+        self._session = local_cluster.serve_session(6392, HTTP_PORT)
+        self._session.__enter__()
         self.base = f"http://127.0.0.1:{HTTP_PORT}"
         self.deployed = False
 
@@ -193,14 +178,7 @@ class HttpStack:
         return out
 
     def close(self) -> None:
-        import ray
-        from ray import serve
-
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            self.local_cluster.stop()
+        self._session.__exit__(None, None, None)
 
 
 def http_cell(setup: Setup, stack: HttpStack, order: str, groups: int, pool: bool, slots: int,

@@ -7,12 +7,14 @@ and stopped together.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,27 @@ def _wait_nodes(address: str, n: int, timeout_s: float = 60.0) -> None:
             time.sleep(0.5)
     finally:
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def serve_session(port: int, http_port: int, head_cpus: int = 8, peer_cpus: int = 2) -> Iterator[str]:
+    """The two-node cluster with this process as its driver and Serve's HTTP proxy on
+    ``http_port`` (the tests and the benchmark); everything is stopped after."""
+    import ray
+    from ray import serve
+
+    stop()
+    address = start(port=port, head_cpus=head_cpus, peer_cpus=peer_cpus)
+    ray.init(address=address, namespace="pipeline-groups", log_to_driver=False, logging_level=logging.WARNING)
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    try:
+        yield address
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            stop()
 
 
 def stop() -> None:

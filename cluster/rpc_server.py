@@ -10,7 +10,42 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import subprocess
 import sys
+import time
+from collections.abc import Callable
+
+
+def command(host: str, port: int, threads: int = 0, devices: list[str] | None = None,
+            cache_dir: str | None = None, cpus: list[int] | None = None) -> list[str]:
+    """The command line of a server process (the stage actor, the bench and the tests use it)."""
+    cmd = [sys.executable, "-m", "cluster.rpc_server", "--host", host, "--port", str(port)]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    for d in devices or []:
+        cmd += ["--device", d]
+    if cache_dir:
+        cmd += ["--cache-dir", cache_dir]
+    if cpus:
+        cmd += ["--cpus", ",".join(map(str, cpus))]
+    return cmd
+
+
+def launch(host: str, port: int, threads: int = 1, timeout_s: float = 60.0,
+           preexec_fn: Callable[[], None] | None = None, **kw: object) -> subprocess.Popen:
+    """Start a server process and return once it listens (read from the kernel, not by connecting:
+    the server serves one client at a time, and a probe would queue behind the engine)."""
+    from cluster.rpc_stage import port_listening
+
+    proc = subprocess.Popen(command(host, port, threads, **kw), stdout=subprocess.DEVNULL,  # type: ignore[arg-type]
+                            preexec_fn=preexec_fn)
+    deadline = time.monotonic() + timeout_s
+    while not port_listening(port):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the RPC server on {host}:{port} did not start (exit {proc.poll()})")
+        time.sleep(0.1)
+    return proc
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 import threading
 import time
 from typing import Any
 
 import ray
 
+from cluster import rpc_server
 from observability.process import cpu_seconds, rss_bytes
 
 log = logging.getLogger(__name__)
@@ -52,15 +52,7 @@ class RpcStage:
         self.host, self.port = host, port
         self._settings = _settings(host, port, threads, devices, cache_dir, cpus)
         self.threads = threads or (os.cpu_count() or 1)
-        self.cmd = [sys.executable, "-m", "cluster.rpc_server", "--host", host, "--port", str(port)]
-        if threads:
-            self.cmd += ["--threads", str(threads)]
-        for d in devices or []:
-            self.cmd += ["--device", d]
-        if cache_dir:
-            self.cmd += ["--cache-dir", cache_dir]
-        if cpus:
-            self.cmd += ["--cpus", ",".join(map(str, cpus))]
+        self.cmd = rpc_server.command(host, port, threads, devices, cache_dir, cpus)
         self.restarts = 0
         self.started_at = 0.0
         self._stopping = False

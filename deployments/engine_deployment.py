@@ -197,6 +197,13 @@ class EngineDeployment:
                 self.engine.cancel(rid)
             conn.requests.clear()
 
+    async def close_stream(self, conn_id: str) -> bool:
+        """End one output stream (its ingress replica is stopping); its requests are cancelled."""
+        conn = self._conns.get(conn_id)
+        if conn is not None:
+            conn.queue.put_nowait(_CLOSE)
+        return conn is not None
+
     # ---- requests ---------------------------------------------------------------------------
 
     async def submit(self, conn_id: str, request_id: str, kind: str, body: dict) -> dict:

@@ -287,10 +287,18 @@ class Ingress:
         """Sizes of the per-request tables (a leak shows here)."""
         return {"pending": len(self._pending), "connected": self._connected.is_set(), "rss_bytes": rss_bytes(os.getpid())}
 
-    def __del__(self) -> None:
-        # the engine's graceful shutdown must not wait on this replica's stream
+    async def __del__(self) -> None:
+        """Serve's destructor: end this replica's output stream at the engine, whose graceful
+        shutdown otherwise waits out its timeout on it (a caller that goes away does not end a
+        streaming call there)."""
+        conn = self._conn
         if self._pump_task is not None:
             self._pump_task.cancel()
+        if conn is not None:
+            try:
+                await asyncio.wait_for(self.engine.close_stream.remote(conn), 5.0)
+            except Exception:  # the engine is gone or going: nothing holds it
+                pass
 
     # ---- plumbing ----------------------------------------------------------------------------
 

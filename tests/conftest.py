@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from cluster.rpc_stage import port_listening
+from cluster import rpc_server
 from engine import Engine, EngineConfig
 from engine.models import ensure_synthetic_model
 from engine.synthetic_model import ModelShape, write_model
@@ -61,15 +59,7 @@ def q8_model(tmp_path_factory: pytest.TempPathFactory, small_shape: ModelShape) 
 @pytest.fixture(scope="module")
 def rpc_server_proc() -> Iterator[subprocess.Popen]:
     """A ggml RPC server on loopback, one per test module."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.rpc_server", "--host", "127.0.0.1", "--port", str(RPC_PORT), "--threads", "1"],
-        stdout=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while not port_listening(RPC_PORT):
-        assert proc.poll() is None, "rpc server exited"
-        assert time.monotonic() < deadline, "rpc server did not start"
-        time.sleep(0.1)
+    proc = rpc_server.launch("127.0.0.1", RPC_PORT, threads=1)
     yield proc
     proc.kill()
     proc.wait()

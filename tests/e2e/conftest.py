@@ -22,23 +22,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def ray_cluster(model_path: str) -> Iterator[str]:
-    import ray
-    from ray import serve
-
     from cluster import local_cluster
 
-    local_cluster.stop()
-    address = local_cluster.start(port=RAY_PORT, head_cpus=8, peer_cpus=2)
-    ray.init(address=address, namespace="pipeline-groups", log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
-    try:
+    with local_cluster.serve_session(RAY_PORT, HTTP_PORT) as address:
         yield address
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            local_cluster.stop()
 
 
 def wait_healthy(timeout_s: float = 180.0) -> float:
