@@ -234,7 +234,13 @@ class EngineDeployment:
                 self.metrics.rejected()
                 return error("rate_limit_error", str(e), 429)
             return error("server_error", str(e), 503)
-        return {"prompt_tokens": len(r.prompt_tokens), "n_predict": r.n_predict}
+        res: dict[str, Any] = {"prompt_tokens": len(r.prompt_tokens), "n_predict": r.n_predict}
+        if kind == "completion" and body.get("echo"):
+            p = body["prompt"]
+            if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
+                p = p[0]
+            res["echo"] = p if isinstance(p, str) else self.engine.tokenizer.decode(p)
+        return res
 
     def _prepare(self, request_id: str, kind: str, body: dict) -> Request:
         if kind == "chat":

@@ -196,12 +196,13 @@ OFFLOAD_BYTES = 64 * 1024  # bodies larger than this are parsed off the event lo
 class _Pending:
     """A request waiting for outputs: its queue and the output stream it came by."""
 
-    __slots__ = ("queue", "conn", "finished")
+    __slots__ = ("queue", "conn", "finished", "echo")
 
     def __init__(self, conn: str) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.conn = conn
         self.finished = False
+        self.echo: str | None = None
 
 
 @serve.deployment(name="ingress", max_ongoing_requests=2048, graceful_shutdown_timeout_s=30)
@@ -375,6 +376,7 @@ class Ingress:
             headers = {"Retry-After": "1"} if e["status"] in (429, 503) else None
             return err_response(e["status"], e["message"], headers=headers)
         model = self.model_names[0]
+        p.echo = res.get("echo")  # completions' echo: the prompt's text comes first
         if req.stream:
             # the task runs however the response ends, also when the client is gone before
             # the stream starts (then the generator never runs and cannot clean up itself)
@@ -404,6 +406,9 @@ class Ingress:
         behind); cancels the request in the engine if abandoned."""
         deadline = time.monotonic() + self.request_timeout_s if self.request_timeout_s else None
         try:
+            p = self._pending.get(rid)
+            if p is not None and p.echo:
+                yield [Output(rid, p.echo, 0)]
             while True:
                 timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:

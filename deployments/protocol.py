@@ -159,8 +159,8 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (the prompt's log probabilities are not computed)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of not in (None, 1):

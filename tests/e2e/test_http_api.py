@@ -217,3 +217,14 @@ def test_llama_server_sampler_fields_over_http(base):
     bad = httpx.post(base + "/v1/completions", json={**body, "samplers": ["nope"]}, timeout=60)
     assert bad.status_code == 400 and "unknown samplers" in bad.json()["error"]["message"]
     assert httpx.post(base + "/v1/completions", json={**body, "typical_p": 3}, timeout=60).status_code == 400
+
+
+def test_echo_puts_the_prompt_first(client):
+    kw = {"model": "synthetic.gguf", "max_tokens": 5, "temperature": 0}
+    plain = client.completions.create(prompt="hello world", **kw).choices[0].text
+    echoed = client.completions.create(prompt="hello world", echo=True, **kw).choices[0].text
+    assert echoed == "hello world" + plain
+    streamed = "".join(c.choices[0].text for c in client.completions.create(prompt="hello world", echo=True, stream=True, **kw))
+    assert streamed == echoed
+    ids = client.completions.create(prompt=[306, 307], echo=True, **kw).choices[0].text
+    assert ids.endswith(client.completions.create(prompt=[306, 307], **kw).choices[0].text) and len(ids) > 0
