@@ -24,6 +24,7 @@ from deployments.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LlamaCompletionRequest,
     TokenizeRequest,
     piece_json,
 )
@@ -250,9 +251,11 @@ class EngineDeployment:
             )
             params = req.sampling(self._default_max_tokens(), req.max_completion_tokens)
         else:
-            creq = CompletionRequest.model_validate(body)
+            creq = (LlamaCompletionRequest if kind == "llama" else CompletionRequest).model_validate(body)
             prompt = creq.prompt  # type: ignore[assignment]
             params = creq.sampling(self._default_max_tokens())
+            cache = getattr(creq, "cache_prompt", True)
+            return self.engine.make_request(prompt, params, request_id, cache_prompt=cache)
         return self.engine.make_request(prompt, params, request_id)
 
     # ---- llama-server's utility endpoints (off the event loop: inputs can be large) -----------

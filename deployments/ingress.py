@@ -32,9 +32,11 @@ from deployments.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LlamaCompletionRequest,
     LogprobsShaper,
     TokenizeRequest,
     error_body,
+    llama_final,
     now,
     usage,
 )
@@ -54,6 +56,7 @@ _BODY_MODELS = {
     "TokenizeRequest": TokenizeRequest,
     "DetokenizeRequest": DetokenizeRequest,
     "ApplyTemplateRequest": ApplyTemplateRequest,
+    "LlamaCompletionRequest": LlamaCompletionRequest,
 }
 
 
@@ -343,12 +346,13 @@ class Ingress:
 
     @staticmethod
     def _validate(kind: str, body: dict) -> ChatCompletionRequest | CompletionRequest:
-        model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        model_cls = {"chat": ChatCompletionRequest, "llama": LlamaCompletionRequest}.get(kind, CompletionRequest)
         req = model_cls.model_validate(body)
         req.sampling(1)
         return req
 
     async def _submit(self, request: Request, kind: str) -> Response:
+        """``kind``: "chat", "completion" (OpenAI's) or "llama" (llama-server's /completion)."""
         self._check_auth(request)
         raw = await self._read_body(request)
         body = await self._json(request, raw)
@@ -377,6 +381,14 @@ class Ingress:
             return err_response(e["status"], e["message"], headers=headers)
         model = self.model_names[0]
         p.echo = res.get("echo")  # completions' echo: the prompt's text comes first
+        if kind == "llama":
+            want_tokens = bool(getattr(req, "return_tokens", False))
+            if req.stream:
+                return StreamingResponse(self._llama_sse(rid, p.queue, model, want_tokens),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                         background=BackgroundTask(self._release, rid))
+            return await self._llama_collect(rid, p.queue, model, want_tokens)
         if req.stream:
             # the task runs however the response ends, also when the client is gone before
             # the stream starts (then the generator never runs and cannot clean up itself)
@@ -493,11 +505,49 @@ class Ingress:
             return
         yield DONE
 
+    async def _llama_collect(self, rid: str, q: asyncio.Queue, model: str, want_tokens: bool) -> Response:
+        parts: list[str] = []
+        tokens: list[int] = []
+        last = None
+        async for batch in self._outputs(rid, q):
+            for o in batch:
+                parts.append(o.text)
+                tokens.extend(o.tokens)
+            last = batch[-1]
+        assert last is not None
+        if last.finish_reason in ("error", "cancelled"):
+            return _error_of(last)
+        return JSONResponse(llama_final(last, "".join(parts), model, tokens if want_tokens else None))
+
+    async def _llama_sse(self, rid: str, q: asyncio.Queue, model: str, want_tokens: bool):
+        """llama-server's /completion stream: ``{"content", "stop": false}`` events, then the
+        final object with ``stop: true`` (no ``[DONE]``, as llama-server)."""
+        async for batch in self._outputs(rid, q):
+            last = batch[-1]
+            text = "".join(o.text for o in batch)
+            toks = [t for o in batch for t in o.tokens]
+            if last.finish_reason in ("error", "cancelled"):
+                status, message = _error_status(last)
+                yield b"data: " + json.dumps(error_body(message, ERROR_TYPES.get(status, "server_error"), status)).encode() + b"\n\n"
+                return
+            if last.finish_reason is not None:
+                yield b"data: " + json.dumps(llama_final(last, text, model, toks if want_tokens else None),
+                                             ensure_ascii=False).encode() + b"\n\n"
+                return
+            event: dict[str, Any] = {"content": text, "stop": False}
+            if want_tokens:
+                event["tokens"] = toks
+            yield b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
+
     # ---- routes ------------------------------------------------------------------------------
 
     @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"))
     async def completions(self, request: Request) -> Response:
         return await self._submit(request, "completion")
+
+    @app.post("/completion", openapi_extra=_body("LlamaCompletionRequest"))
+    async def llama_completion(self, request: Request) -> Response:
+        return await self._submit(request, "llama")
 
     @app.post("/v1/chat/completions", openapi_extra=_body("ChatCompletionRequest"))
     async def chat_completions(self, request: Request) -> Response:

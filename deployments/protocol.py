@@ -280,6 +280,56 @@ def now() -> int:
     return int(time.time())
 
 
+# ---- llama-server's own API ---------------------------------------------------------------------
+
+
+class LlamaCompletionRequest(CompletionRequest):
+    """``POST /completion``: llama-server's native completion (its field names; the answer and
+    the stream in its shapes)."""
+
+    cache_prompt: bool = Field(default=True, description="Reuse the slot's cached prefix for this request.")
+    return_tokens: bool = Field(default=False, description="Return the generated token ids too.")
+    id_slot: int = Field(default=-1, description="Only -1 (any slot) is supported.")
+
+    @model_validator(mode="after")
+    def _slot(self) -> LlamaCompletionRequest:
+        if self.id_slot != -1:
+            raise ValueError("id_slot other than -1 is not supported: the scheduler picks the slot")
+        return self
+
+
+def llama_final(o: Any, content: str, model: str, tokens: list[int] | None) -> dict[str, Any]:
+    """llama-server's last /completion object (``stop: true``) for a request's final output."""
+    if o.finish_reason == "length":
+        stop_type = "limit"
+    elif o.stop_word is not None:
+        stop_type = "word"
+    else:
+        stop_type = "eos"
+    gen_s = max(o.t_end - o.t_first_token, 0.0)
+    out: dict[str, Any] = {
+        "content": content,
+        "stop": True,
+        "model": model,
+        "tokens_predicted": o.completion_tokens,
+        "tokens_evaluated": o.prompt_tokens,
+        "tokens_cached": o.cached_tokens,
+        "stop_type": stop_type,
+        "stopping_word": o.stop_word or "",
+        "truncated": False,
+        "timings": {
+            "prompt_n": o.prompt_tokens - o.cached_tokens,
+            "prompt_ms": 1000.0 * max(o.t_first_token - o.t_queue, 0.0),
+            "predicted_n": o.completion_tokens,
+            "predicted_ms": 1000.0 * gen_s,
+            "predicted_per_second": (o.completion_tokens - 1) / gen_s if gen_s > 0 and o.completion_tokens > 1 else 0.0,
+        },
+    }
+    if tokens is not None:
+        out["tokens"] = tokens
+    return out
+
+
 # ---- llama-server's utility endpoints ---------------------------------------------------------
 
 

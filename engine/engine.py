@@ -142,7 +142,8 @@ class Engine:
         return tokens
 
     def make_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+        cache_prompt: bool = True,
     ) -> Request:
         """Validate and tokenise; raises ``RequestError`` for what cannot be served."""
         tokens = self.tokenize_prompt(prompt)
@@ -162,6 +163,7 @@ class Engine:
             prompt_tokens=tokens,
             params=params,
             n_predict=min(params.max_tokens, room),
+            cache_prompt=cache_prompt,
         )
 
     def submit(self, r: Request) -> None:

@@ -226,7 +226,7 @@ class PipelineGroup:
         assert s.state is SlotState.IDLE, f"slot {s.id} is busy"
         tokens = r.prompt_tokens
         n_keep = 0
-        if self.config.cache_prompt and s.cache_tokens:
+        if self.config.cache_prompt and r.cache_prompt and s.cache_tokens:
             n_keep = common_prefix(np.asarray(s.cache_tokens, np.int32), np.asarray(tokens, np.int32))
         n_keep = min(n_keep, len(tokens) - 1)  # the last prompt token is always evaluated
         if n_keep > 0 and self.ctx.seq_pos_min(s.seq_id) > max(0, n_keep - self.model.n_swa):
@@ -403,10 +403,10 @@ class PipelineGroup:
         text = s.text.feed(piece)
         prof.add("stop", time.perf_counter() - t1)
         if s.text.stopped_by is not None:
-            return self._finish(s, "stop", text, counted=True)
+            return self._finish(s, "stop", text, counted=True, tokens=(tok,), stop_word=s.text.stopped_by)
         if s.n_generated >= r.n_predict:
-            return self._finish(s, "length", text + s.text.flush(), counted=True, logprobs=lps)
-        return Output(r.id, text, 1, logprobs=lps)
+            return self._finish(s, "length", text + s.text.flush(), counted=True, logprobs=lps, tokens=(tok,))
+        return Output(r.id, text, 1, logprobs=lps, tokens=(tok,))
 
     def _finish(
         self,
@@ -419,6 +419,8 @@ class PipelineGroup:
         counted: bool = False,
         release: bool = True,
         logprobs: tuple | None = None,
+        tokens: tuple[int, ...] = (),
+        stop_word: str | None = None,
     ) -> Output:
         r = s.req
         now = time.monotonic()
@@ -436,6 +438,8 @@ class PipelineGroup:
             t_end=now - r.t_arrival,
             status=status,
             logprobs=logprobs,
+            tokens=tokens,
+            stop_word=stop_word,
         )
         if s.on_backend:
             self.ctx.set_sampler(s.seq_id, None)

@@ -30,6 +30,7 @@ class Request:
     n_predict: int  # max_tokens clamped to what the slot context allows
     t_arrival: float = field(default_factory=time.monotonic)
     slot_id: int = -1
+    cache_prompt: bool = True  # reuse the chosen slot's cached prefix (with the engine's cache_prompt)
 
 
 class Output(NamedTuple):
@@ -50,3 +51,5 @@ class Output(NamedTuple):
     # per generated token of this output, when the request asked: (piece, logprob, top), top
     # being ((piece, logprob), ...) of the most likely tokens; pieces are the token's bytes
     logprobs: tuple | None = None
+    tokens: tuple[int, ...] = ()  # the token ids generated in this step (not the end-of-generation token)
+    stop_word: str | None = None  # with finish_reason "stop": the stop string that ended it

@@ -228,3 +228,27 @@ def test_echo_puts_the_prompt_first(client):
     assert streamed == echoed
     ids = client.completions.create(prompt=[306, 307], echo=True, **kw).choices[0].text
     assert ids.endswith(client.completions.create(prompt=[306, 307], **kw).choices[0].text) and len(ids) > 0
+
+
+def test_llama_servers_completion_route(base):
+    body = {"prompt": "tell me a story about", "n_predict": 8, "temperature": 0, "ignore_eos": True,
+            "return_tokens": True}
+    r = httpx.post(base + "/completion", json=body, timeout=60).json()
+    assert r["stop"] is True and r["stop_type"] == "limit" and r["tokens_predicted"] == 8
+    assert len(r["tokens"]) == 8 and r["tokens_evaluated"] > 0 and r["timings"]["predicted_n"] == 8
+    assert httpx.post(base + "/detokenize", json={"tokens": r["tokens"]}).json()["content"] == r["content"]
+    # streamed: content events, then the final object; no [DONE]
+    events = []
+    with httpx.stream("POST", base + "/completion", json={**body, "stream": True}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
+    assert "".join(e["content"] for e in events) == r["content"]
+    assert [t for e in events for t in e.get("tokens", [])] == r["tokens"]
+    # a stop word: the text before it, and which word it was
+    word = r["content"][len(r["content"]) // 2:][:3]
+    w = httpx.post(base + "/completion", json={**body, "stop": [word]}, timeout=60).json()
+    assert w["stop_type"] == "word" and w["stopping_word"] == word and word not in w["content"]
+    # per-request cache_prompt
+    again = httpx.post(base + "/completion", json={**body, "cache_prompt": False}, timeout=60).json()
+    assert again["tokens_cached"] == 0 and again["content"] == r["content"]
+    assert httpx.post(base + "/completion", json={**body, "id_slot": 2}, timeout=60).status_code == 400
