@@ -20,6 +20,7 @@ from typing import Any
 from ray import serve
 
 from deployments.protocol import (
+    ApiError,
     ApplyTemplateRequest,
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,7 +38,7 @@ from engine import (
     SamplingParams,
     SlotBusyError,
 )
-from engine.types import SHUTTING_DOWN, Request
+from engine.types import SHUTTING_DOWN, FinishReason, Request
 from observability.metrics import EngineMetrics
 from observability.process import rss_bytes
 
@@ -56,10 +57,6 @@ def wait_for_endpoint(endpoint: str, timeout_s: float) -> None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"RPC stage {endpoint} not reachable after {timeout_s:.0f} s: {e}") from e
             time.sleep(0.5)
-
-
-def error(kind: str, message: str, status: int, **extra: Any) -> dict:
-    return {"error": {"type": kind, "message": message, "status": status, **extra}}
 
 
 NOT_CONNECTED = "this engine replica has no output stream from the ingress (it restarted); retry the request"
@@ -142,7 +139,7 @@ class EngineDeployment:
         self._failed = reason
         self.metrics.set_stage_up(False)
         for rid, conn in list(self._owner.items()):
-            conn.queue.put_nowait([tuple(Output(rid, "", 0, "error", error=reason, status=503))])
+            conn.queue.put_nowait([tuple(Output(rid, "", 0, FinishReason.ERROR, error=reason, status=503))])
         self._owner.clear()
         for conn in self._conns.values():
             conn.requests.clear()
@@ -207,23 +204,23 @@ class EngineDeployment:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    async def submit(self, conn_id: str, request_id: str, kind: str, body: dict) -> dict:
+    async def submit(self, conn_id: str, request_id: str, kind: str, body: dict) -> dict | ApiError:
         """Validate, tokenise and queue one request; returns its prompt size or an error.
         Parsing, the chat template and the tokenizer run off the event loop that delivers
         every stream's tokens."""
         if self._failed is not None:
-            return error("server_error", self._failed, 503)
+            return ApiError(503, self._failed)
         if self._draining:
-            return error("server_error", SHUTTING_DOWN, 503)
+            return ApiError(503, SHUTTING_DOWN)
         if conn_id not in self._conns:
-            return error("server_error", NOT_CONNECTED, 503)
+            return ApiError(503, NOT_CONNECTED)
         try:
             r = await asyncio.to_thread(self._prepare, request_id, kind, body)
         except (ValueError, RequestError) as e:
-            return error("invalid_request_error", str(e), 400)
+            return ApiError(400, str(e))
         conn = self._conns.get(conn_id)
         if conn is None or self._failed is not None or self._draining:
-            return error("server_error", self._failed or (SHUTTING_DOWN if self._draining else NOT_CONNECTED), 503)
+            return ApiError(503, self._failed or (SHUTTING_DOWN if self._draining else NOT_CONNECTED))
         self._owner[request_id] = conn
         conn.requests.add(request_id)
         try:
@@ -233,8 +230,8 @@ class EngineDeployment:
             conn.requests.discard(request_id)
             if isinstance(e, QueueFullError):
                 self.metrics.rejected()
-                return error("rate_limit_error", str(e), 429)
-            return error("server_error", str(e), 503)
+                return ApiError(429, str(e))
+            return ApiError(503, str(e))
         res: dict[str, Any] = {"prompt_tokens": len(r.prompt_tokens), "n_predict": r.n_predict}
         if kind == "completion" and body.get("echo"):
             p = body["prompt"]
@@ -260,7 +257,7 @@ class EngineDeployment:
 
     # ---- llama-server's utility endpoints (off the event loop: inputs can be large) -----------
 
-    async def tokenize(self, body: dict) -> dict:
+    async def tokenize(self, body: dict) -> dict | ApiError:
         def work() -> dict:
             req = TokenizeRequest.model_validate(body)
             toks = self.engine.tokenizer.encode(req.content, add_special=req.add_special,
@@ -271,7 +268,7 @@ class EngineDeployment:
 
         return await self._utility(work)
 
-    async def detokenize(self, body: dict) -> dict:
+    async def detokenize(self, body: dict) -> dict | ApiError:
         def work() -> dict:
             req = DetokenizeRequest.model_validate(body)
             bad = [t for t in req.tokens if not 0 <= t < self.engine.model.n_vocab]
@@ -281,7 +278,7 @@ class EngineDeployment:
 
         return await self._utility(work)
 
-    async def apply_template(self, body: dict) -> dict:
+    async def apply_template(self, body: dict) -> dict | ApiError:
         def work() -> dict:
             req = ApplyTemplateRequest.model_validate(body)
             text = self.engine.tokenizer.apply_chat_template(req.template_messages(), kwargs=req.chat_template_kwargs)
@@ -289,11 +286,11 @@ class EngineDeployment:
 
         return await self._utility(work)
 
-    async def _utility(self, work: Callable[[], dict]) -> dict:
+    async def _utility(self, work: Callable[[], dict]) -> dict | ApiError:
         try:
             return await asyncio.to_thread(work)
         except ValueError as e:  # pydantic's ValidationError, RequestError, TemplateError
-            return error("invalid_request_error", str(e), 400)
+            return ApiError(400, str(e))
 
     async def props(self) -> dict:
         tok = self.engine.tokenizer
@@ -328,7 +325,7 @@ class EngineDeployment:
             conn = self._owner.pop(rid, None)
             if conn is not None:
                 conn.requests.discard(rid)
-                conn.queue.put_nowait([tuple(Output(rid, "", 0, "error", error=SHUTTING_DOWN, status=503))])
+                conn.queue.put_nowait([tuple(Output(rid, "", 0, FinishReason.ERROR, error=SHUTTING_DOWN, status=503))])
         for conn in self._conns.values():
             conn.queue.put_nowait(_CLOSE)
         return {"cut": len(cut)}
@@ -382,19 +379,19 @@ class EngineDeployment:
             for v in self.engine.slot_views()
         ]
 
-    async def slot_action(self, slot_id: int, action: str, filename: str | None) -> dict:
+    async def slot_action(self, slot_id: int, action: str, filename: str | None) -> dict | ApiError:
         try:
             return await asyncio.to_thread(self.engine.slot_action, slot_id, action, filename)
         except RequestError as e:
-            return error("invalid_request_error", str(e), 400)
+            return ApiError(400, str(e))
         except SlotBusyError as e:
-            return error("invalid_request_error", str(e), 409)
+            return ApiError(409, str(e))
         except FileNotFoundError as e:
-            return error("not_found_error", str(e), 404)
+            return ApiError(404, str(e))
         except TimeoutError as e:
-            return error("timeout_error", str(e), 504)
+            return ApiError(504, str(e))
         except RuntimeError as e:  # the group failed the action (e.g. a corrupt slot file)
-            return error("server_error", str(e), 500)
+            return ApiError(500, str(e))
 
     async def metrics_text(self) -> bytes:
         running, waiting = self.engine.scheduler.counts()

@@ -28,6 +28,7 @@ from ray import serve
 from starlette.background import BackgroundTask
 
 from deployments.protocol import (
+    ApiError,
     ApplyTemplateRequest,
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,11 +37,12 @@ from deployments.protocol import (
     LogprobsShaper,
     TokenizeRequest,
     error_body,
+    error_type,
     llama_final,
     now,
     usage,
 )
-from engine.types import SHUTTING_DOWN, Output
+from engine.types import SHUTTING_DOWN, FinishReason, Output
 from observability.process import rss_bytes
 
 log = logging.getLogger(__name__)
@@ -83,18 +85,6 @@ def _openapi() -> dict:
 
 app.openapi = _openapi  # type: ignore[method-assign]
 
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    408: "timeout_error",
-    409: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "server_error",
-    504: "timeout_error",
-}
 
 
 DONE = b"data: [DONE]\n\n"
@@ -147,7 +137,7 @@ class HTTPError(Exception):
 
 def err_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(
-        error_body(message, ERROR_TYPES.get(status, "server_error"), status, param),
+        error_body(message, error_type(status), status, param),
         status_code=status,
         headers=headers,
     )
@@ -170,7 +160,7 @@ def _validation_message(e: ValidationError) -> str:
 def _error_status(o: Output) -> tuple[int, str]:
     """The HTTP status and message of a request's failed last output. A request is only
     ever "cancelled" towards a client that is still there when the server cut it."""
-    if o.finish_reason == "cancelled":
+    if o.finish_reason is FinishReason.CANCELLED:
         return 503, SHUTTING_DOWN
     return (o.status or 500), (o.error or "generation failed")
 
@@ -271,7 +261,7 @@ class Ingress:
                     self._connected.clear()
             lost = [(rid, p) for rid, p in self._pending.items() if p.conn == conn]
             for rid, p in lost:
-                p.queue.put_nowait(Output(rid, "", 0, "error", error="the engine replica restarted; retry the request",
+                p.queue.put_nowait(Output(rid, "", 0, FinishReason.ERROR, error="the engine replica restarted; retry the request",
                                           status=503))
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
@@ -374,11 +364,10 @@ class Ingress:
         except BaseException:
             self._pending.pop(rid, None)
             raise
-        if "error" in res:
+        if isinstance(res, ApiError):
             self._pending.pop(rid, None)
-            e = res["error"]
-            headers = {"Retry-After": "1"} if e["status"] in (429, 503) else None
-            return err_response(e["status"], e["message"], headers=headers)
+            headers = {"Retry-After": "1"} if res.status in (429, 503) else None
+            return err_response(res.status, res.message, headers=headers)
         model = self.model_names[0]
         p.echo = res.get("echo")  # completions' echo: the prompt's text comes first
         if kind == "llama":
@@ -426,7 +415,7 @@ class Ingress:
                 try:
                     o = await asyncio.wait_for(q.get(), timeout)
                 except TimeoutError:
-                    yield [Output(rid, "", 0, "error", error=f"request timed out after {self.request_timeout_s} s",
+                    yield [Output(rid, "", 0, FinishReason.ERROR, error=f"request timed out after {self.request_timeout_s} s",
                                   status=504)]
                     return
                 batch = [o]
@@ -452,7 +441,7 @@ class Ingress:
             entries.extend(e for o in batch if o.logprobs for e in o.logprobs)
             last = batch[-1]
         assert last is not None
-        if last.finish_reason in ("error", "cancelled"):
+        if last.finish_reason is not None and last.finish_reason.failed:
             return _error_of(last)
         text = "".join(parts)
         u = usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
@@ -486,9 +475,9 @@ class Ingress:
             if shaper is not None:
                 entries = [e for o in batch if o.logprobs for e in o.logprobs]
                 lp = shaper.shape(entries) if entries else None
-            if last.finish_reason in ("error", "cancelled"):
+            if last.finish_reason is not None and last.finish_reason.failed:
                 status, message = _error_status(last)
-                err = error_body(message, ERROR_TYPES.get(status, "server_error"), status)
+                err = error_body(message, error_type(status), status)
                 yield (ev.chunk(text, None) if text else b"") + b"data: " + json.dumps(err).encode() + b"\n\n" + DONE
                 return
             if last.finish_reason is None:
@@ -515,7 +504,7 @@ class Ingress:
                 tokens.extend(o.tokens)
             last = batch[-1]
         assert last is not None
-        if last.finish_reason in ("error", "cancelled"):
+        if last.finish_reason is not None and last.finish_reason.failed:
             return _error_of(last)
         return JSONResponse(llama_final(last, "".join(parts), model, tokens if want_tokens else None))
 
@@ -526,9 +515,9 @@ class Ingress:
             last = batch[-1]
             text = "".join(o.text for o in batch)
             toks = [t for o in batch for t in o.tokens]
-            if last.finish_reason in ("error", "cancelled"):
+            if last.finish_reason is not None and last.finish_reason.failed:
                 status, message = _error_status(last)
-                yield b"data: " + json.dumps(error_body(message, ERROR_TYPES.get(status, "server_error"), status)).encode() + b"\n\n"
+                yield b"data: " + json.dumps(error_body(message, error_type(status), status)).encode() + b"\n\n"
                 return
             if last.finish_reason is not None:
                 yield b"data: " + json.dumps(llama_final(last, text, model, toks if want_tokens else None),
@@ -559,8 +548,8 @@ class Ingress:
         self._check_auth(request)
         body = await self._json(request)
         res = await getattr(self.engine, method).remote(body)
-        if "error" in res:
-            return err_response(res["error"]["status"], res["error"]["message"])
+        if isinstance(res, ApiError):
+            return err_response(res.status, res.message)
         return JSONResponse(res)
 
     @app.post("/tokenize", openapi_extra=_body("TokenizeRequest"))
@@ -610,8 +599,8 @@ class Ingress:
         if filename is not None and not isinstance(filename, str):
             return err_response(400, "filename must be a string")
         res = await self.engine.slot_action.remote(slot_id, action, filename)
-        if "error" in res:
-            return err_response(res["error"]["status"], res["error"]["message"])
+        if isinstance(res, ApiError):
+            return err_response(res.status, res.message)
         return JSONResponse(res)
 
     @app.get("/metrics")

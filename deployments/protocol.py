@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -261,6 +262,36 @@ class LogprobsShaper:
 
 def _token(piece: bytes, logprob: float) -> dict[str, Any]:
     return {"token": piece.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(piece)}
+
+
+ERROR_TYPES = {  # OpenAI's error type of each status we answer with
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+    504: "timeout_error",
+}
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "server_error")
+
+
+@dataclass(frozen=True)
+class ApiError:
+    """An error answer as a value: what the engine returns across Ray for the ingress to send."""
+
+    status: int
+    message: str
+
+    @property
+    def type(self) -> str:
+        return error_type(self.status)
 
 
 def error_body(message: str, type_: str, code: int | str | None = None, param: str | None = None) -> dict:

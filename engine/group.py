@@ -30,7 +30,7 @@ from engine.sampling import SamplerChain, token_logprobs
 from engine.slots import Slot, SlotState, SlotView, common_prefix
 from engine.text import TextStream
 from engine.tokenizer import Tokenizer
-from engine.types import SHUTTING_DOWN, Output, Request
+from engine.types import SHUTTING_DOWN, FinishReason, Output, Request
 from observability.profiler import GroupProfiler
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ class PipelineGroup:
             self.error = f"pipeline group {self.index} failed: {e}"
             outs = []
             for s in list(self.active):
-                outs.append(self._finish(s, "error", "", error=self.error, status=503, release=False))
+                outs.append(self._finish(s, FinishReason.ERROR, "", error=self.error, status=503, release=False))
             self._drain_after_death(outs)
 
     def _drain_after_death(self, outs: list[Output]) -> None:
@@ -183,7 +183,7 @@ class PipelineGroup:
                 return
             if isinstance(msg, StartMsg):
                 r = msg.request
-                self.sink([Output(r.id, "", 0, "error", len(r.prompt_tokens), error=self.error, status=503)])
+                self.sink([Output(r.id, "", 0, FinishReason.ERROR, len(r.prompt_tokens), error=self.error, status=503)])
                 self.on_release(self._by_id[r.slot_id].view(), True)
             elif isinstance(msg, SlotOpMsg):
                 msg.reply.set_exception(RuntimeError(self.error))
@@ -199,11 +199,11 @@ class PipelineGroup:
                 s.req = msg.request
                 s.n_generated = s.n_reused = 0
                 s.t_start, s.t_first_token = time.monotonic(), 0.0
-                self.sink([self._finish(s, "error", "", error=f"request failed to start: {e}")])
+                self.sink([self._finish(s, FinishReason.ERROR, "", error=f"request failed to start: {e}")])
         elif isinstance(msg, CancelMsg):
             for s in self.active:
                 if s.req is not None and s.req.id == msg.request_id:
-                    out = self._finish(s, "cancelled", "")
+                    out = self._finish(s, FinishReason.CANCELLED, "")
                     self.sink([out])
                     break
         elif isinstance(msg, SlotOpMsg):
@@ -214,7 +214,7 @@ class PipelineGroup:
                 except Exception as e:
                     msg.reply.set_exception(e)
         elif isinstance(msg, _StopMsg):
-            outs = [self._finish(s, "error", "", error=SHUTTING_DOWN, status=503, release=False)
+            outs = [self._finish(s, FinishReason.ERROR, "", error=SHUTTING_DOWN, status=503, release=False)
                     for s in list(self.active)]
             if outs:
                 self.sink(outs)
@@ -385,7 +385,7 @@ class PipelineGroup:
         t0 = time.perf_counter()
         r = s.req
         if tok < 0:
-            return self._finish(s, "error", s.text.flush(), error=self._row_errors.pop(s.id, "sampling failed"))
+            return self._finish(s, FinishReason.ERROR, s.text.flush(), error=self._row_errors.pop(s.id, "sampling failed"))
         s.sampler.accept(tok)
         s.n_generated += 1
         s.last_token = tok
@@ -396,22 +396,22 @@ class PipelineGroup:
         if self.tok.is_eog(tok):  # never with ignore_eos: the sampler bans these tokens then
             prof.add("detok", time.perf_counter() - t0)
             # the end-of-generation token is not text; what was held back is
-            return self._finish(s, "stop", s.text.flush(), counted=True)
+            return self._finish(s, FinishReason.STOP, s.text.flush(), counted=True)
         piece = self.tok.piece(tok, special=False)
         t1 = time.perf_counter()
         prof.add("detok", t1 - t0)
         text = s.text.feed(piece)
         prof.add("stop", time.perf_counter() - t1)
         if s.text.stopped_by is not None:
-            return self._finish(s, "stop", text, counted=True, tokens=(tok,), stop_word=s.text.stopped_by)
+            return self._finish(s, FinishReason.STOP, text, counted=True, tokens=(tok,), stop_word=s.text.stopped_by)
         if s.n_generated >= r.n_predict:
-            return self._finish(s, "length", text + s.text.flush(), counted=True, logprobs=lps, tokens=(tok,))
+            return self._finish(s, FinishReason.LENGTH, text + s.text.flush(), counted=True, logprobs=lps, tokens=(tok,))
         return Output(r.id, text, 1, logprobs=lps, tokens=(tok,))
 
     def _finish(
         self,
         s: Slot,
-        reason: str,
+        reason: FinishReason,
         text: str,
         *,
         error: str | None = None,
@@ -464,7 +464,7 @@ class PipelineGroup:
             # the sequence's KV is now unknown: drop it
             self.ctx.seq_rm(s.seq_id, 0, -1)
             s.cache_tokens.clear()
-            outs.append(self._finish(s, "error", "", error=f"decode failed: {err}"))
+            outs.append(self._finish(s, FinishReason.ERROR, "", error=f"decode failed: {err}"))
         self.sink(outs)
 
     # ---- slot operations (group thread) -----------------------------------------------------

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 from engine.slots import SlotView, choose_slot
-from engine.types import Output, QueueFullError, Request
+from engine.types import FinishReason, Output, QueueFullError, Request
 
 
 class Scheduler:
@@ -94,7 +94,7 @@ class Scheduler:
                     return False
                 group = self._views[running.slot_id].group
         if r is not None:
-            self._sink([Output(r.id, "", 0, "cancelled", len(r.prompt_tokens))])
+            self._sink([Output(r.id, "", 0, FinishReason.CANCELLED, len(r.prompt_tokens))])
             return True
         self._cancel_running(group, request_id)
         return True

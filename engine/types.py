@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import NamedTuple
 
 from engine.sampling import SamplingParams
@@ -18,6 +19,20 @@ class QueueFullError(RuntimeError):
 
 
 SHUTTING_DOWN = "the server is shutting down; retry the request"
+
+
+class FinishReason(StrEnum):
+    """Why a request's last output ended it (compares and serialises as its string)."""
+
+    STOP = "stop"  # an end-of-generation token or a stop string
+    LENGTH = "length"  # max_tokens, or the slot's context
+    CANCELLED = "cancelled"  # the client went away (or the request was cut)
+    ERROR = "error"  # see ``Output.error`` and ``Output.status``
+
+    @property
+    def failed(self) -> bool:
+        """Whether a client still there gets an error (a cut request is one)."""
+        return self in (FinishReason.ERROR, FinishReason.CANCELLED)
 
 
 @dataclass(eq=False)
@@ -39,7 +54,7 @@ class Output(NamedTuple):
     request_id: str
     text: str
     n_tokens: int  # tokens generated in this step (0 or 1)
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
