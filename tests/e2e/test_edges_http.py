@@ -120,6 +120,14 @@ def test_a_thousand_clients_vanishing_anywhere_leave_every_table_empty_and_rss_f
     assert r.status_code == 200
 
 
+def wait_busy(base: str, n: int, timeout_s: float = 60.0) -> None:
+    """Until ``n`` slots are processing."""
+    deadline = time.monotonic() + timeout_s
+    while sum(s["is_processing"] for s in httpx.get(base + "/slots", timeout=10).json()) < n:
+        assert time.monotonic() < deadline, f"{n} slots never became busy"
+        time.sleep(0.05)
+
+
 def stream_outcome(base: str, body: dict) -> str:
     try:
         with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
@@ -143,10 +151,7 @@ def test_an_engine_replica_restart_fails_only_its_requests_and_the_next_ones_com
     long = {"prompt": "long", "max_tokens": 5000, "ignore_eos": True}
     with ThreadPoolExecutor(4) as ex:
         futs = [ex.submit(stream_outcome, base, long) for _ in range(4)]
-        deadline = time.monotonic() + 60
-        while sum(s["is_processing"] for s in httpx.get(base + "/slots", timeout=10).json()) < 4:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_busy(base, 4)
         [engine] = [a for a in ray.util.list_named_actors(all_namespaces=True)
                     if a["name"].startswith("SERVE_REPLICA::pgroups#engine#")]
         ray.kill(ray.get_actor(engine["name"], namespace=engine["namespace"]), no_restart=True)
@@ -202,10 +207,7 @@ def test_the_first_client_vanishing_does_not_take_the_output_stream_with_it(depl
     others = {"prompt": "on the same stream", "max_tokens": 300, "ignore_eos": True}
     with ThreadPoolExecutor(3) as ex:
         futs = [ex.submit(stream_outcome, base, others) for _ in range(3)]
-        deadline = time.monotonic() + 60
-        while sum(s["is_processing"] for s in httpx.get(base + "/slots", timeout=10).json()) < 4:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_busy(base, 4)
         first.close()  # the request that opened the output stream goes away
         outcomes = [f.result(timeout=150) for f in futs]
     assert outcomes == ["completed"] * 3, outcomes
