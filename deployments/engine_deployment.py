@@ -138,12 +138,19 @@ class EngineDeployment:
         log.error("%s", reason)
         self._failed = reason
         self.metrics.set_stage_up(False)
-        for rid, conn in list(self._owner.items()):
+        self._cut_all(reason)
+
+    def _cut_all(self, reason: str) -> int:
+        """End every request this replica holds with a 503 towards its client, and close every
+        output stream (Serve's drain of this replica must not wait on them)."""
+        cut = list(self._owner.items())
+        for rid, conn in cut:
+            conn.requests.discard(rid)
             conn.queue.put_nowait([tuple(Output(rid, "", 0, FinishReason.ERROR, error=reason, status=503))])
         self._owner.clear()
         for conn in self._conns.values():
-            conn.requests.clear()
-            conn.queue.put_nowait(_CLOSE)  # Serve's drain of this replica must not wait on them
+            conn.queue.put_nowait(_CLOSE)
+        return len(cut)
 
     # ---- outputs ----------------------------------------------------------------------------
 
@@ -241,6 +248,7 @@ class EngineDeployment:
         return res
 
     def _prepare(self, request_id: str, kind: str, body: dict) -> Request:
+        cache_prompt = True
         if kind == "chat":
             req = ChatCompletionRequest.model_validate(body)
             prompt: str | list[int] = self.engine.tokenizer.apply_chat_template(
@@ -251,9 +259,8 @@ class EngineDeployment:
             creq = (LlamaCompletionRequest if kind == "llama" else CompletionRequest).model_validate(body)
             prompt = creq.prompt  # type: ignore[assignment]
             params = creq.sampling(self._default_max_tokens())
-            cache = getattr(creq, "cache_prompt", True)
-            return self.engine.make_request(prompt, params, request_id, cache_prompt=cache)
-        return self.engine.make_request(prompt, params, request_id)
+            cache_prompt = getattr(creq, "cache_prompt", True)
+        return self.engine.make_request(prompt, params, request_id, cache_prompt=cache_prompt)
 
     # ---- llama-server's utility endpoints (off the event loop: inputs can be large) -----------
 
@@ -318,17 +325,10 @@ class EngineDeployment:
         deadline = time.monotonic() + grace_s
         while self._owner and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        cut = list(self._owner)
-        for rid in cut:
+        for rid in list(self._owner):
             self.engine.cancel(rid)
-        for rid in cut:  # cancelled, but the client is still there: it gets an error
-            conn = self._owner.pop(rid, None)
-            if conn is not None:
-                conn.requests.discard(rid)
-                conn.queue.put_nowait([tuple(Output(rid, "", 0, FinishReason.ERROR, error=SHUTTING_DOWN, status=503))])
-        for conn in self._conns.values():
-            conn.queue.put_nowait(_CLOSE)
-        return {"cut": len(cut)}
+        # cancelled, but their clients are still there: they get an error
+        return {"cut": self._cut_all(SHUTTING_DOWN)}
 
     def tables(self) -> dict:
         """Sizes of every per-request table (a leak shows here)."""

@@ -17,7 +17,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -165,6 +165,19 @@ def _error_status(o: Output) -> tuple[int, str]:
     return (o.status or 500), (o.error or "generation failed")
 
 
+def _error_event(o: Output) -> bytes:
+    """A failed request's last output as an SSE error event (OpenAI's error shape)."""
+    status, message = _error_status(o)
+    return b"data: " + json.dumps(error_body(message, error_type(status), status)).encode() + b"\n\n"
+
+
+def _event_stream(events: AsyncIterator[bytes], cleanup: BackgroundTask) -> StreamingResponse:
+    """An SSE response; ``cleanup`` runs however it ends, also when the client is gone before
+    the stream starts (then the generator never runs and cannot clean up itself)."""
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, background=cleanup)
+
+
 def _error_of(o: Output) -> JSONResponse:
     status, message = _error_status(o)
     return err_response(status, message, headers={"Retry-After": "1"} if status == 503 else None)
@@ -184,6 +197,11 @@ def _detached(coro: Coroutine) -> asyncio.Task:
 
 
 OFFLOAD_BYTES = 64 * 1024  # bodies larger than this are parsed off the event loop
+
+
+async def _sized(n_bytes: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` for a body of ``n_bytes``: inline when small, in a thread when large."""
+    return fn(*args) if n_bytes < OFFLOAD_BYTES else await asyncio.to_thread(fn, *args)
 
 
 class _Pending:
@@ -323,7 +341,7 @@ class Ingress:
         if raw is None:
             raw = await self._read_body(request)
         try:
-            body = json.loads(raw) if len(raw) < OFFLOAD_BYTES else await asyncio.to_thread(json.loads, raw)
+            body = await _sized(len(raw), json.loads, raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise HTTPError(400, f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
@@ -347,10 +365,7 @@ class Ingress:
         raw = await self._read_body(request)
         body = await self._json(request, raw)
         try:
-            if len(raw) < OFFLOAD_BYTES:
-                req = self._validate(kind, body)
-            else:
-                req = await asyncio.to_thread(self._validate, kind, body)
+            req = await _sized(len(raw), self._validate, kind, body)
         except ValidationError as e:
             raise HTTPError(400, _validation_message(e)) from None
         except ValueError as e:
@@ -373,20 +388,12 @@ class Ingress:
         if kind == "llama":
             want_tokens = bool(getattr(req, "return_tokens", False))
             if req.stream:
-                return StreamingResponse(self._llama_sse(rid, p.queue, model, want_tokens),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                         background=BackgroundTask(self._release, rid))
+                return _event_stream(self._llama_sse(rid, p.queue, model, want_tokens),
+                                     BackgroundTask(self._release, rid))
             return await self._llama_collect(rid, p.queue, model, want_tokens)
         if req.stream:
-            # the task runs however the response ends, also when the client is gone before
-            # the stream starts (then the generator never runs and cannot clean up itself)
-            return StreamingResponse(
-                self._sse(rid, p.queue, kind, model, req.include_usage, req.n_logprobs() is not None),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                background=BackgroundTask(self._release, rid),
-            )
+            return _event_stream(self._sse(rid, p.queue, kind, model, req.include_usage, req.n_logprobs() is not None),
+                                 BackgroundTask(self._release, rid))
         return await self._collect(rid, p.queue, kind, model, req.n_logprobs() is not None)
 
     async def _release(self, rid: str) -> None:
@@ -476,9 +483,7 @@ class Ingress:
                 entries = [e for o in batch if o.logprobs for e in o.logprobs]
                 lp = shaper.shape(entries) if entries else None
             if last.finish_reason is not None and last.finish_reason.failed:
-                status, message = _error_status(last)
-                err = error_body(message, error_type(status), status)
-                yield (ev.chunk(text, None) if text else b"") + b"data: " + json.dumps(err).encode() + b"\n\n" + DONE
+                yield (ev.chunk(text, None) if text else b"") + _error_event(last) + DONE
                 return
             if last.finish_reason is None:
                 if text or lp:
@@ -516,8 +521,7 @@ class Ingress:
             text = "".join(o.text for o in batch)
             toks = [t for o in batch for t in o.tokens]
             if last.finish_reason is not None and last.finish_reason.failed:
-                status, message = _error_status(last)
-                yield b"data: " + json.dumps(error_body(message, error_type(status), status)).encode() + b"\n\n"
+                yield _error_event(last)
                 return
             if last.finish_reason is not None:
                 yield b"data: " + json.dumps(llama_final(last, text, model, toks if want_tokens else None),

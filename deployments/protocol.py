@@ -200,6 +200,11 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
@@ -224,7 +229,7 @@ class ChatCompletionRequest(_Common):
         return self
 
     def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return template_messages(self.messages)
 
     def n_logprobs(self) -> int | None:
         if self.logprobs:
@@ -392,7 +397,7 @@ class ApplyTemplateRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return template_messages(self.messages)
 
 
 def piece_json(piece: bytes) -> str | list[int]:

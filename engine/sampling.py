@@ -228,24 +228,23 @@ class SamplerChain:
         self.grammar = None
         if self.greedy:
             return
-        if params.grammar:
-            from engine.grammar import init_grammar
-
-            if vocab is None:
-                raise ValueError("a grammar needs the model's vocabulary")
-            self.grammar = init_grammar(vocab, params.grammar)
         sp = llama_cpp.llama_sampler_chain_default_params()
         sp.no_perf = True
         chain = llama_cpp.llama_sampler_chain_init(sp)
         if not chain:
             raise RuntimeError("llama_sampler_chain_init failed")
+        self.ptr = chain
         try:
             self._build(chain, params, n_vocab, seed)
+            if params.grammar:
+                from engine.grammar import init_grammar
+
+                if vocab is None:
+                    raise ValueError("a grammar needs the model's vocabulary")
+                self.grammar = init_grammar(vocab, params.grammar)
         except BaseException:
-            llama_cpp.llama_sampler_free(chain)  # with the samplers already added to it
-            self.close()
+            self.close()  # the chain with the samplers already added to it, and the grammar
             raise
-        self.ptr = chain
 
     def _build(self, chain: object, params: SamplingParams, n_vocab: int, seed: int) -> None:
         add = llama_cpp.llama_sampler_chain_add
