@@ -581,6 +581,13 @@ class Ingress:
 
     @app.get("/health")
     async def health(self) -> Response:
+        # the ingress serves nothing while its output stream from the engine is down (the
+        # engine replica died and Serve is replacing it): say so at once, even when the new
+        # replica would answer info() within the timeout below
+        reconnecting = self._pump_task is not None and not self._connected.is_set()
+        self._ensure_pump()
+        if reconnecting:
+            return JSONResponse({"status": "reconnecting"}, status_code=503)
         try:
             info = await asyncio.wait_for(self.engine.info.remote(), timeout=2.0)
         except Exception:

@@ -1,4 +1,4 @@
-"""The engine deployment's class on its own event loop (no Ray): output streams keyed by
+"""The deployment classes on their own event loop (no Ray): output streams keyed by
 connection, request preparation off the loop, the frozen-peer watchdog and the drain."""
 
 from __future__ import annotations
@@ -181,3 +181,77 @@ def test_llama_servers_utility_endpoints(model_path):
         assert props["chat_template"]
 
     run(model_path, body)
+
+
+class _EngineHandle:
+    """Stands in for the ingress's handle to the engine: each output stream says hello, then
+    lives until ``drop()`` ends it the way a dying replica does; info() answers healthy."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+        self.alive = asyncio.Event()
+        self.alive.set()
+        self.ended = asyncio.Event()
+
+    def options(self, **_: Any) -> "_EngineHandle":
+        return self
+
+    @property
+    def outputs(self) -> "_EngineHandle":
+        return self
+
+    @property
+    def info(self) -> Any:
+        class _Info:
+            @staticmethod
+            async def remote() -> dict:
+                return {"healthy": True}
+
+        return _Info
+
+    def remote(self, *_: Any) -> Any:
+        async def stream() -> Any:
+            await self.alive.wait()
+            self.opened += 1
+            yield {"connected": True}
+            await self.ended.wait()
+            raise RuntimeError("the replica died")
+
+        return stream()
+
+    def drop(self) -> None:
+        """The replica dies; a new one comes up only after ``revive()``."""
+        self.alive.clear()
+        self.ended.set()
+
+    def revive(self) -> None:
+        self.ended = asyncio.Event()
+        self.alive.set()
+
+
+def test_ingress_health_is_503_while_its_output_stream_is_down():
+    """A replacement engine replica can answer info() within the health check's timeout: the
+    ingress still says it is down while it has no output stream to submit on."""
+    from deployments.ingress import Ingress
+
+    cls = Ingress.func_or_class.__mro__[1]  # the class under Serve's ASGI wrapper
+
+    async def main() -> None:
+        handle = _EngineHandle()
+        ing = object.__new__(cls)
+        cls.__init__(ing, handle, ["m"])
+        assert (await ing.health()).status_code == 200  # first call: starts the stream
+        assert ing._connected.is_set()  # noqa: SLF001
+        handle.drop()
+        for _ in range(100):
+            if not ing._connected.is_set():  # noqa: SLF001
+                break
+            await asyncio.sleep(0.01)
+        assert (await ing.health()).status_code == 503
+        handle.revive()
+        await asyncio.wait_for(ing._connected.wait(), 10)  # noqa: SLF001
+        assert handle.opened == 2
+        assert (await ing.health()).status_code == 200
+        ing._pump_task.cancel()  # noqa: SLF001
+
+    asyncio.run(main())
