@@ -21,11 +21,10 @@ from ray import serve
 
 from deployments.protocol import (
     ApiError,
+    ApiRequest,
     ApplyTemplateRequest,
     ChatCompletionRequest,
-    CompletionRequest,
     DetokenizeRequest,
-    LlamaCompletionRequest,
     TokenizeRequest,
     piece_json,
 )
@@ -38,6 +37,8 @@ from engine import (
     SamplingParams,
     SlotBusyError,
 )
+from engine.tokenizer import Tokenizer
+from engine.tools import ToolPlan
 from engine.types import SHUTTING_DOWN, FinishReason, Request
 from observability.metrics import EngineMetrics
 from observability.process import rss_bytes
@@ -60,6 +61,21 @@ def wait_for_endpoint(endpoint: str, timeout_s: float) -> None:
 
 
 NOT_CONNECTED = "this engine replica has no output stream from the ingress (it restarted); retry the request"
+
+
+def chat_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest,
+                default_max_tokens: int) -> tuple[str, SamplingParams, ToolPlan]:
+    """A chat request's prompt (its tools in it, as its template takes them), its sampling
+    (a forced tool call's grammar in it) and its tool plan."""
+    plan = ToolPlan.make(tokenizer.template.source, tokenizer.template.builtin, req.tools, req.tool_choice,
+                         req.parallel_tool_calls)
+    prompt = tokenizer.apply_chat_template(plan.messages(req.template_messages()), tools=plan.template_tools(),
+                                           kwargs=req.chat_template_kwargs)
+    params = req.sampling(default_max_tokens, req.max_completion_tokens)
+    grammar = plan.grammar()
+    if grammar is not None:
+        params = params.model_copy(update={"grammar": grammar})
+    return prompt, params, plan
 
 
 class _Conn:
@@ -211,10 +227,10 @@ class EngineDeployment:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    async def submit(self, conn_id: str, request_id: str, kind: str, body: dict) -> dict | ApiError:
-        """Validate, tokenise and queue one request; returns its prompt size or an error.
-        Parsing, the chat template and the tokenizer run off the event loop that delivers
-        every stream's tokens."""
+    async def submit(self, conn_id: str, request_id: str, req: ApiRequest) -> dict | ApiError:
+        """Tokenise and queue one request the ingress has validated; returns its prompt size
+        (and what the ingress needs to shape its answer) or an error. The chat template and
+        the tokenizer run off the event loop that delivers every stream's tokens."""
         if self._failed is not None:
             return ApiError(503, self._failed)
         if self._draining:
@@ -222,7 +238,7 @@ class EngineDeployment:
         if conn_id not in self._conns:
             return ApiError(503, NOT_CONNECTED)
         try:
-            r = await asyncio.to_thread(self._prepare, request_id, kind, body)
+            r, extra = await asyncio.to_thread(self._prepare, request_id, req)
         except (ValueError, RequestError) as e:
             return ApiError(400, str(e))
         conn = self._conns.get(conn_id)
@@ -239,28 +255,23 @@ class EngineDeployment:
                 self.metrics.rejected()
                 return ApiError(429, str(e))
             return ApiError(503, str(e))
-        res: dict[str, Any] = {"prompt_tokens": len(r.prompt_tokens), "n_predict": r.n_predict}
-        if kind == "completion" and body.get("echo"):
-            p = body["prompt"]
-            if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
-                p = p[0]
-            res["echo"] = p if isinstance(p, str) else self.engine.tokenizer.decode(p)
-        return res
+        return {"prompt_tokens": len(r.prompt_tokens), "n_predict": r.n_predict, **extra}
 
-    def _prepare(self, request_id: str, kind: str, body: dict) -> Request:
-        cache_prompt = True
-        if kind == "chat":
-            req = ChatCompletionRequest.model_validate(body)
-            prompt: str | list[int] = self.engine.tokenizer.apply_chat_template(
-                req.template_messages(), kwargs=req.chat_template_kwargs
-            )
-            params = req.sampling(self._default_max_tokens(), req.max_completion_tokens)
-        else:
-            creq = (LlamaCompletionRequest if kind == "llama" else CompletionRequest).model_validate(body)
-            prompt = creq.prompt  # type: ignore[assignment]
-            params = creq.sampling(self._default_max_tokens())
-            cache_prompt = getattr(creq, "cache_prompt", True)
-        return self.engine.make_request(prompt, params, request_id, cache_prompt=cache_prompt)
+    def _prepare(self, request_id: str, req: ApiRequest) -> tuple[Request, dict[str, Any]]:
+        """The engine request, and for the ingress: the echoed prompt, the tool-call parser's
+        settings."""
+        extra: dict[str, Any] = {}
+        if isinstance(req, ChatCompletionRequest):
+            prompt, params, plan = chat_prompt(self.engine.tokenizer, req, self._default_max_tokens())
+            if plan.active:
+                extra["tools"] = {"names": plan.names, "parallel": plan.parallel}
+            return self.engine.make_request(prompt, params, request_id), extra
+        prompt = req.prompt
+        if req.echo:
+            extra["echo"] = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
+        params = req.sampling(self._default_max_tokens())
+        cache_prompt = getattr(req, "cache_prompt", True)
+        return self.engine.make_request(prompt, params, request_id, cache_prompt=cache_prompt), extra
 
     # ---- llama-server's utility endpoints (off the event loop: inputs can be large) -----------
 

@@ -42,6 +42,7 @@ from deployments.protocol import (
     now,
     usage,
 )
+from engine.tools import ToolCallStream, limit_calls, parse_tool_calls, tool_finish
 from engine.types import SHUTTING_DOWN, FinishReason, Output
 from observability.process import rss_bytes
 
@@ -107,8 +108,9 @@ class SseEvents:
         ) + b"}\n\n"
         self.include_usage = include_usage
 
-    def chunk(self, text: str | None, finish: str | None, first: bool = False, logprobs: dict | None = None) -> bytes:
-        if text and finish is None and not first and logprobs is None:  # the per-token case
+    def chunk(self, text: str | None, finish: str | None, first: bool = False, logprobs: dict | None = None,
+              tool_calls: list[dict] | None = None) -> bytes:
+        if text and finish is None and not first and logprobs is None and tool_calls is None:  # the per-token case
             return self._prefix + json.dumps(text, ensure_ascii=False).encode() + self._suffix
         if self.kind == "chat":
             delta: dict[str, Any] = {}
@@ -116,6 +118,8 @@ class SseEvents:
                 delta["role"] = "assistant"
             if text:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)]
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
@@ -375,7 +379,7 @@ class Ingress:
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         p = self._pending[rid] = _Pending(conn)
         try:
-            res = await self.engine.submit.remote(conn, rid, kind, body)
+            res = await self.engine.submit.remote(conn, rid, req)
         except BaseException:
             self._pending.pop(rid, None)
             raise
@@ -391,10 +395,11 @@ class Ingress:
                 return _event_stream(self._llama_sse(rid, p.queue, model, want_tokens),
                                      BackgroundTask(self._release, rid))
             return await self._llama_collect(rid, p.queue, model, want_tokens)
+        tools = res.get("tools")  # the tool-call parser's settings, when the request has tools
         if req.stream:
-            return _event_stream(self._sse(rid, p.queue, kind, model, req.include_usage, req.n_logprobs() is not None),
-                                 BackgroundTask(self._release, rid))
-        return await self._collect(rid, p.queue, kind, model, req.n_logprobs() is not None)
+            return _event_stream(self._sse(rid, p.queue, kind, model, req.include_usage, req.n_logprobs() is not None,
+                                           tools), BackgroundTask(self._release, rid))
+        return await self._collect(rid, p.queue, kind, model, req.n_logprobs() is not None, tools)
 
     async def _release(self, rid: str) -> None:
         """Forget a request; cancel it in the engine unless it finished."""
@@ -439,7 +444,8 @@ class Ingress:
         finally:
             await self._release(rid)
 
-    async def _collect(self, rid: str, q: asyncio.Queue, kind: str, model: str, want_logprobs: bool) -> Response:
+    async def _collect(self, rid: str, q: asyncio.Queue, kind: str, model: str, want_logprobs: bool,
+                       tools: dict | None = None) -> Response:
         parts: list[str] = []
         entries: list[tuple] = []
         last = None
@@ -454,12 +460,15 @@ class Ingress:
         u = usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
         lp = LogprobsShaper(kind).shape(entries) if want_logprobs else None
         if kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": last.finish_reason,
-                "logprobs": lp,
-            }
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish = last.finish_reason
+            if tools is not None:
+                content, calls = parse_tool_calls(text, tools["names"])
+                calls = limit_calls(calls, tools["parallel"])
+                if calls:
+                    message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                    finish = tool_finish(finish)
+            choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": lp}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": lp}
@@ -469,15 +478,18 @@ class Ingress:
         )
 
     async def _sse(self, rid: str, q: asyncio.Queue, kind: str, model: str, include_usage: bool,
-                   want_logprobs: bool = False):
+                   want_logprobs: bool = False, tools: dict | None = None):
         ev = SseEvents(rid, kind, model, include_usage)
         shaper = LogprobsShaper(kind) if want_logprobs else None
+        calls_stream = ToolCallStream(tools["names"], tools["parallel"]) if tools is not None else None
         if kind == "chat":
             yield ev.chunk(None, None, first=True)
         async for batch in self._outputs(rid, q):
             last = batch[-1]
             # the text of every step that has arrived goes out in one event
             text = "".join(o.text for o in batch)
+            if calls_stream is not None:
+                text = calls_stream.feed(text)
             lp = None
             if shaper is not None:
                 entries = [e for o in batch if o.logprobs for e in o.logprobs]
@@ -489,10 +501,19 @@ class Ingress:
                 if text or lp:
                     yield ev.chunk(text, None, logprobs=lp)
                 continue
-            if kind == "chat" and (text or lp):
-                out = ev.chunk(text, None, logprobs=lp) + ev.chunk(None, last.finish_reason)
+            finish = last.finish_reason
+            calls = None
+            if calls_stream is not None:  # the held text: content, then the calls it holds
+                rest, calls = calls_stream.finish()
+                text += rest
+                finish = tool_finish(finish) if calls else finish
+            if calls:
+                out = (ev.chunk(text, None, logprobs=lp) if text or lp else b"") + ev.chunk(None, None, tool_calls=calls) \
+                    + ev.chunk(None, finish)
+            elif kind == "chat" and (text or lp):
+                out = ev.chunk(text, None, logprobs=lp) + ev.chunk(None, finish)
             else:
-                out = ev.chunk(text, last.finish_reason, logprobs=lp)
+                out = ev.chunk(text, finish, logprobs=lp)
             if include_usage:
                 out += ev.usage(last)
             yield out + DONE

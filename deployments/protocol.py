@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from engine.grammar import JSON_OBJECT_SCHEMA, schema_to_grammar
 from engine.sampling import SamplingParams
+from engine.tools import check_tools, chosen, template_message
 
 MAX_PROMPT_CHARS = 1_000_000
 
@@ -200,9 +201,11 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them (with their tool calls and results)."""
+    extra = ("tool_calls", "tool_call_id", "name")
+    return [template_message({"role": m.role, "content": m.text(), **{k: getattr(m, k, None) for k in extra}})
+            for m in messages]
 
 
 class ChatCompletionRequest(_Common):
@@ -221,20 +224,27 @@ class ChatCompletionRequest(_Common):
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        if self.tools:
-            raise ValueError("tools are not supported")
+        if self.tools is not None or self.tool_choice is not None:
+            mode, _ = chosen(check_tools(self.tools or []), self.tool_choice)
+            if mode == "required" and (self.grammar_text() is not None):
+                raise ValueError("a required or named tool_choice cannot be combined with grammar, json_schema or "
+                                 "response_format")
+        self.template_messages()  # tool calls in the conversation are well formed
         total = sum(len(m.text()) for m in self.messages)
         if total > MAX_PROMPT_CHARS:
             raise ValueError(f"messages longer than {MAX_PROMPT_CHARS} characters")
         return self
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)
 
     def n_logprobs(self) -> int | None:
         if self.logprobs:
             return self.top_logprobs or 0
         return self.n_probs
+
+
+ApiRequest = ChatCompletionRequest | CompletionRequest  # what the ingress hands the engine, validated
 
 
 class LogprobsShaper:
@@ -396,7 +406,7 @@ class ApplyTemplateRequest(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1)
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from deployments.engine_deployment import NOT_CONNECTED, EngineDeployment
+from deployments.protocol import CompletionRequest
 from engine.types import SHUTTING_DOWN, Output
 
 LONG = {"prompt": "a long request", "max_tokens": 100_000, "ignore_eos": True}
@@ -54,7 +55,7 @@ async def next_outputs(stream: Any, timeout: float = 30.0) -> list[Output]:
 def test_a_second_stream_of_one_ingress_neither_takes_nor_drops_the_firsts_requests(model_path):
     async def body(d: Any) -> None:
         a = await connect(d, "ingress-1", "conn-a")
-        res = await d.submit("conn-a", "r1", "completion", LONG)
+        res = await d.submit("conn-a", "r1", CompletionRequest(**LONG))
         assert isinstance(res, dict), res
         b = await connect(d, "ingress-1", "conn-b")  # the same ingress opens a second stream
         outs = await next_outputs(a)
@@ -76,7 +77,7 @@ def test_a_second_stream_of_one_ingress_neither_takes_nor_drops_the_firsts_reque
 
 def test_a_submit_on_a_connection_this_replica_does_not_hold_is_503(model_path):
     async def body(d: Any) -> None:
-        res = await d.submit("never-opened", "r1", "completion", SHORT)
+        res = await d.submit("never-opened", "r1", CompletionRequest(**SHORT))
         assert res.status == 503 and res.message == NOT_CONNECTED
         assert d.tables()["owners"] == 0
 
@@ -99,7 +100,7 @@ def test_tokenising_runs_off_the_event_loop(model_path):
             return real(*a, **kw)
 
         d.engine.make_request = slow_make_request
-        submit = asyncio.create_task(d.submit("c", "r1", "completion", SHORT))
+        submit = asyncio.create_task(d.submit("c", "r1", CompletionRequest(**SHORT)))
         while not entered.is_set():
             await asyncio.sleep(0.01)
         info = await asyncio.wait_for(d.info(), 5)  # the loop is free meanwhile
@@ -114,7 +115,7 @@ def test_tokenising_runs_off_the_event_loop(model_path):
 def test_the_watchdog_fails_in_flight_requests_and_reports_unhealthy(model_path):
     async def body(d: Any) -> None:
         s = await connect(d, "ingress-1", "c")
-        assert isinstance(await d.submit("c", "r1", "completion", LONG), dict)
+        assert isinstance(await d.submit("c", "r1", CompletionRequest(**LONG)), dict)
         await next_outputs(s)
         d.engine.stalled_for = lambda: 10.0  # a decode blocked for 10 s on the peer
         deadline = time.monotonic() + 10
@@ -130,7 +131,7 @@ def test_the_watchdog_fails_in_flight_requests_and_reports_unhealthy(model_path)
         with pytest.raises(RuntimeError):
             d.check_health()
         assert not (await d.info())["healthy"]
-        assert (await d.submit("c", "r2", "completion", SHORT)).status == 503
+        assert (await d.submit("c", "r2", CompletionRequest(**SHORT))).status == 503
 
     async def with_stage(d: Any) -> None:
         d.stage_timeout_s = 2.0  # as if an RPC stage were configured
@@ -143,8 +144,8 @@ def test_the_watchdog_fails_in_flight_requests_and_reports_unhealthy(model_path)
 def test_drain_finishes_short_requests_and_cuts_long_ones_with_an_error(model_path):
     async def body(d: Any) -> None:
         s = await connect(d, "ingress-1", "c")
-        assert isinstance(await d.submit("c", "long", "completion", LONG), dict)
-        assert isinstance(await d.submit("c", "short", "completion", SHORT), dict)
+        assert isinstance(await d.submit("c", "long", CompletionRequest(**LONG)), dict)
+        assert isinstance(await d.submit("c", "short", CompletionRequest(**SHORT)), dict)
         res = await d.drain(2.0)
         assert res["cut"] == 1
         finals: dict[str, Output] = {}
@@ -158,7 +159,7 @@ def test_drain_finishes_short_requests_and_cuts_long_ones_with_an_error(model_pa
         assert finals["short"].finish_reason == "length"
         assert finals["long"].finish_reason == "error" and finals["long"].error == SHUTTING_DOWN
         assert finals["long"].status == 503
-        assert (await d.submit("c", "late", "completion", SHORT)).status == 503
+        assert (await d.submit("c", "late", CompletionRequest(**SHORT))).status == 503
 
     run(model_path, body)
 
@@ -193,11 +194,11 @@ class _EngineHandle:
         self.alive.set()
         self.ended = asyncio.Event()
 
-    def options(self, **_: Any) -> "_EngineHandle":
+    def options(self, **_: Any) -> _EngineHandle:
         return self
 
     @property
-    def outputs(self) -> "_EngineHandle":
+    def outputs(self) -> _EngineHandle:
         return self
 
     @property

@@ -252,3 +252,52 @@ def test_llama_servers_completion_route(base):
     again = httpx.post(base + "/completion", json={**body, "cache_prompt": False}, timeout=60).json()
     assert again["tokens_cached"] == 0 and again["content"] == r["content"]
     assert httpx.post(base + "/completion", json={**body, "id_slot": 2}, timeout=60).status_code == 400
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer"}},
+        "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}},
+]
+
+
+def test_tool_calls_through_the_openai_sdk(client):
+    """A model with random weights calls tools only because the grammar of tool_choice makes
+    it: the calls come back parsed, streamed as deltas the SDK assembles, and a conversation
+    that carries calls and results renders."""
+    msgs = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    r = client.chat.completions.create(model="synthetic.gguf", messages=msgs, tools=TOOLS, max_tokens=300,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    assert args["city"] in ("Paris", "Oslo") and isinstance(args["days"], int)
+
+    # required, parallel off, streamed: the SDK's deltas carry one whole call (one tool: a
+    # prompt with both fills most of this app's 512-token slots on the synthetic vocabulary)
+    stream = client.chat.completions.create(model="synthetic.gguf", messages=msgs, tools=TOOLS[1:], tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=300, stream=True)
+    chunks = list(stream)
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(deltas) == 1 and deltas[0].index == 0 and deltas[0].function.name == "get_time", chunks
+    json.loads(deltas[0].function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    # the calls and their results go back in the conversation; tool_choice none answers in text
+    history = [*msgs, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    r = client.chat.completions.create(model="synthetic.gguf", messages=history, tools=TOOLS, tool_choice="none",
+                                       max_tokens=8)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_bad_tool_requests_are_400(base):
+    for extra in ({"tools": [{"type": "function"}]}, {"tool_choice": "required"},
+                  {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}):
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **extra})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text

@@ -79,3 +79,41 @@ def test_bad_grammars_and_schemas_are_the_requests_error_with_the_parsers_messag
         CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "yaml"}}).sampling(8)
     # the engine still serves
     assert e.generate("x", SamplingParams(temperature=0, max_tokens=2)).final.completion_tokens >= 1
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                                 "parameters": {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 24}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 16}}, "required": ["zone"]}}}
+
+
+def test_forced_tool_calls_on_the_real_model_all_parse_and_validate(make_gemma):
+    """Gemma's GGUF has no chat template (chatml, no tools): the tools go in a system
+    message; tool_choice required makes every sampled answer calls that validate."""
+    from deployments.engine_deployment import chat_prompt
+    from engine.tools import limit_calls, parse_tool_calls
+
+    e = make_gemma(n_parallel=4, n_ctx=8192)
+    req = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "What is the weather in Paris, and the time in Tokyo?"}],
+        "tools": [WEATHER_TOOL, TIME_TOOL], "tool_choice": "required", "temperature": 1.0,
+    })
+    prompt, params, plan = chat_prompt(e.tokenizer, req, 400)
+    assert "get_weather" in prompt and plan.format == "generic"
+    schemas = {"get_weather": WEATHER_TOOL["function"]["parameters"], "get_time": TIME_TOOL["function"]["parameters"]}
+
+    def one(seed: int) -> tuple[str, str]:
+        c = e.generate(prompt, params.model_copy(update={"seed": seed}))
+        return c.text, c.final.finish_reason
+
+    with ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(one, range(12)))
+    for text, finish in outs:
+        assert finish == "stop", (finish, text)
+        content, calls = parse_tool_calls(text, plan.names)
+        assert calls and content == "", text
+        for call in limit_calls(calls, plan.parallel):
+            jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
