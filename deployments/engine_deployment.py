@@ -244,13 +244,16 @@ class EngineDeployment:
         conn = self._conns.get(conn_id)
         if conn is None or self._failed is not None or self._draining:
             return ApiError(503, self._failed or (SHUTTING_DOWN if self._draining else NOT_CONNECTED))
-        self._owner[request_id] = conn
-        conn.requests.add(request_id)
+        ids = [m.id for m in r.family]
+        for m in ids:
+            self._owner[m] = conn
+            conn.requests.add(m)
         try:
             self.engine.submit(r)
         except (QueueFullError, RuntimeError) as e:
-            self._owner.pop(request_id, None)
-            conn.requests.discard(request_id)
+            for m in ids:
+                self._owner.pop(m, None)
+                conn.requests.discard(m)
             if isinstance(e, QueueFullError):
                 self.metrics.rejected()
                 return ApiError(429, str(e))
@@ -265,13 +268,13 @@ class EngineDeployment:
             prompt, params, plan = chat_prompt(self.engine.tokenizer, req, self._default_max_tokens())
             if plan.active:
                 extra["tools"] = {"names": plan.names, "parallel": plan.parallel}
-            return self.engine.make_request(prompt, params, request_id), extra
+            return self.engine.make_request(prompt, params, request_id, n=req.n), extra
         prompt = req.prompt
         if req.echo:
             extra["echo"] = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
         params = req.sampling(self._default_max_tokens())
         cache_prompt = getattr(req, "cache_prompt", True)
-        return self.engine.make_request(prompt, params, request_id, cache_prompt=cache_prompt), extra
+        return self.engine.make_request(prompt, params, request_id, cache_prompt=cache_prompt, n=req.n), extra
 
     # ---- llama-server's utility endpoints (off the event loop: inputs can be large) -----------
 
@@ -359,8 +362,12 @@ class EngineDeployment:
         # OpenAI's meaning of a missing max_tokens: until the slot's context is full
         return self.engine.n_ctx_slot
 
-    async def cancel(self, request_id: str) -> bool:
-        return self.engine.cancel(request_id)
+    async def cancel(self, request_id: str, n: int = 1) -> bool:
+        """Cancel a request and its other choices."""
+        hit = self.engine.cancel(request_id)  # a family still waiting goes whole
+        for i in range(1, n):
+            hit = self.engine.cancel(f"{request_id}#{i}") or hit
+        return hit
 
     # ---- state ------------------------------------------------------------------------------
 

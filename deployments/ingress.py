@@ -34,15 +34,13 @@ from deployments.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     LlamaCompletionRequest,
-    LogprobsShaper,
     TokenizeRequest,
     error_body,
     error_type,
     llama_final,
     now,
-    usage,
 )
-from engine.tools import ToolCallStream, limit_calls, parse_tool_calls, tool_finish
+from deployments.shaping import Choice, SseEvents, by_choice, member_ids, total_usage
 from engine.types import SHUTTING_DOWN, FinishReason, Output
 from observability.process import rss_bytes
 
@@ -89,48 +87,6 @@ app.openapi = _openapi  # type: ignore[method-assign]
 
 
 DONE = b"data: [DONE]\n\n"
-
-
-class SseEvents:
-    """The SSE events of one streamed request. The parts that do not change are encoded
-    once, so a token costs one ``json.dumps`` of its text."""
-
-    def __init__(self, rid: str, kind: str, model: str, include_usage: bool) -> None:
-        self.kind = kind
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        self.head = {"id": rid, "object": obj, "created": now(), "model": model}
-        head = json.dumps(self.head, ensure_ascii=False)[:-1].encode()
-        key = b'"delta": {"content": ' if kind == "chat" else b'"text": '
-        tail = b"}" if kind == "chat" else b""
-        self._prefix = b"data: " + head + b', "choices": [{"index": 0, ' + key
-        self._suffix = tail + b', "finish_reason": null, "logprobs": null}]' + (
-            b', "usage": null' if include_usage else b""
-        ) + b"}\n\n"
-        self.include_usage = include_usage
-
-    def chunk(self, text: str | None, finish: str | None, first: bool = False, logprobs: dict | None = None,
-              tool_calls: list[dict] | None = None) -> bytes:
-        if text and finish is None and not first and logprobs is None and tool_calls is None:  # the per-token case
-            return self._prefix + json.dumps(text, ensure_ascii=False).encode() + self._suffix
-        if self.kind == "chat":
-            delta: dict[str, Any] = {}
-            if first:
-                delta["role"] = "assistant"
-            if text:
-                delta["content"] = text
-            if tool_calls:
-                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)]
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-        else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
-        body = {**self.head, "choices": [choice]}
-        if self.include_usage:
-            body["usage"] = None
-        return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
-
-    def usage(self, o: Output) -> bytes:
-        body = {**self.head, "choices": [], "usage": usage(o.prompt_tokens, o.completion_tokens, o.cached_tokens)}
-        return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 class HTTPError(Exception):
@@ -209,15 +165,17 @@ async def _sized(n_bytes: int, fn: Callable[..., Any], *args: Any) -> Any:
 
 
 class _Pending:
-    """A request waiting for outputs: its queue and the output stream it came by."""
+    """A request waiting for outputs: its queue (every choice's outputs) and the output
+    stream it came by."""
 
-    __slots__ = ("queue", "conn", "finished", "echo")
+    __slots__ = ("queue", "conn", "finished", "echo", "n")
 
-    def __init__(self, conn: str) -> None:
+    def __init__(self, conn: str, n: int = 1) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.conn = conn
         self.finished = False
         self.echo: str | None = None
+        self.n = n  # choices
 
 
 @serve.deployment(name="ingress", max_ongoing_requests=2048, graceful_shutdown_timeout_s=30)
@@ -377,14 +335,19 @@ class Ingress:
         self._check_model(req.model)
         conn = await self._connection()
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        p = self._pending[rid] = _Pending(conn)
+        p = _Pending(conn, req.n)
+        ids = member_ids(rid, req.n)
+        for m in ids:
+            self._pending[m] = p
         try:
             res = await self.engine.submit.remote(conn, rid, req)
         except BaseException:
-            self._pending.pop(rid, None)
+            for m in ids:
+                self._pending.pop(m, None)
             raise
         if isinstance(res, ApiError):
-            self._pending.pop(rid, None)
+            for m in ids:
+                self._pending.pop(m, None)
             headers = {"Retry-After": "1"} if res.status in (429, 503) else None
             return err_response(res.status, res.message, headers=headers)
         model = self.model_names[0]
@@ -396,20 +359,25 @@ class Ingress:
                                      BackgroundTask(self._release, rid))
             return await self._llama_collect(rid, p.queue, model, want_tokens)
         tools = res.get("tools")  # the tool-call parser's settings, when the request has tools
+        choices = [Choice(i, kind, req.n_logprobs() is not None, tools) for i in range(req.n)]
         if req.stream:
-            return _event_stream(self._sse(rid, p.queue, kind, model, req.include_usage, req.n_logprobs() is not None,
-                                           tools), BackgroundTask(self._release, rid))
-        return await self._collect(rid, p.queue, kind, model, req.n_logprobs() is not None, tools)
+            return _event_stream(self._sse(rid, p.queue, kind, model, req.include_usage, choices),
+                                 BackgroundTask(self._release, rid))
+        return await self._collect(rid, p.queue, kind, model, choices)
 
     async def _release(self, rid: str) -> None:
-        """Forget a request; cancel it in the engine unless it finished."""
-        p = self._pending.pop(rid, None)
-        if p is not None and not p.finished:
-            _detached(self._cancel(rid))
+        """Forget a request (every choice); cancel it in the engine unless it finished."""
+        p = self._pending.get(rid)
+        if p is None:
+            return
+        for m in member_ids(rid, p.n):
+            self._pending.pop(m, None)
+        if not p.finished:
+            _detached(self._cancel(rid, p.n))
 
-    async def _cancel(self, rid: str) -> None:
+    async def _cancel(self, rid: str, n: int = 1) -> None:
         try:
-            await self.engine.cancel.remote(rid)
+            await self.engine.cancel.remote(rid, n)
         except Exception:  # the engine is gone; nothing to cancel
             pass
 
@@ -418,10 +386,12 @@ class Ingress:
         read (one list per step while the client keeps up, several steps when it falls
         behind); cancels the request in the engine if abandoned."""
         deadline = time.monotonic() + self.request_timeout_s if self.request_timeout_s else None
+        p = self._pending.get(rid)
+        n = p.n if p is not None else 1
+        left = n  # choices not finished
         try:
-            p = self._pending.get(rid)
             if p is not None and p.echo:
-                yield [Output(rid, p.echo, 0)]
+                yield [Output(m, p.echo, 0) for m in member_ids(rid, n)]
             while True:
                 timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
@@ -431,93 +401,52 @@ class Ingress:
                                   status=504)]
                     return
                 batch = [o]
-                while o.finish_reason is None and not q.empty():
+                left -= o.finish_reason is not None
+                while left and not q.empty():
                     o = q.get_nowait()
                     batch.append(o)
-                if o.finish_reason is not None:
-                    p = self._pending.get(rid)
-                    if p is not None:
-                        p.finished = True
+                    left -= o.finish_reason is not None
+                if not left and p is not None:
+                    p.finished = True
                 yield batch
-                if o.finish_reason is not None:
+                if not left:
                     return
         finally:
             await self._release(rid)
 
-    async def _collect(self, rid: str, q: asyncio.Queue, kind: str, model: str, want_logprobs: bool,
-                       tools: dict | None = None) -> Response:
-        parts: list[str] = []
-        entries: list[tuple] = []
-        last = None
+    async def _collect(self, rid: str, q: asyncio.Queue, kind: str, model: str, choices: list[Choice]) -> Response:
         async for batch in self._outputs(rid, q):
-            parts.extend(o.text for o in batch)
-            entries.extend(e for o in batch if o.logprobs for e in o.logprobs)
-            last = batch[-1]
-        assert last is not None
-        if last.finish_reason is not None and last.finish_reason.failed:
-            return _error_of(last)
-        text = "".join(parts)
-        u = usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
-        lp = LogprobsShaper(kind).shape(entries) if want_logprobs else None
-        if kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            finish = last.finish_reason
-            if tools is not None:
-                content, calls = parse_tool_calls(text, tools["names"])
-                calls = limit_calls(calls, tools["parallel"])
-                if calls:
-                    message = {"role": "assistant", "content": content or None, "tool_calls": calls}
-                    finish = tool_finish(finish)
-            choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": lp}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": lp}
-            obj = "text_completion"
-        return JSONResponse(
-            {"id": rid, "object": obj, "created": now(), "model": model, "choices": [choice], "usage": u}
-        )
+            for i, outs in by_choice(batch).items():
+                choices[i].add(outs)
+        for c in choices:  # one failed choice fails the request
+            if c.last is not None and c.last.finish_reason is not None and c.last.finish_reason.failed:
+                return _error_of(c.last)
+        if not all(c.finished for c in choices):  # the wait timed out (504) before an output came
+            return err_response(504, f"request timed out after {self.request_timeout_s} s")
+        obj = "chat.completion" if kind == "chat" else "text_completion"
+        return JSONResponse({"id": rid, "object": obj, "created": now(), "model": model,
+                             "choices": [c.body() for c in choices], "usage": total_usage([c.last for c in choices])})
 
     async def _sse(self, rid: str, q: asyncio.Queue, kind: str, model: str, include_usage: bool,
-                   want_logprobs: bool = False, tools: dict | None = None):
+                   choices: list[Choice]):
         ev = SseEvents(rid, kind, model, include_usage)
-        shaper = LogprobsShaper(kind) if want_logprobs else None
-        calls_stream = ToolCallStream(tools["names"], tools["parallel"]) if tools is not None else None
         if kind == "chat":
-            yield ev.chunk(None, None, first=True)
+            yield b"".join(ev.chunk(None, None, first=True, index=c.index) for c in choices)
         async for batch in self._outputs(rid, q):
-            last = batch[-1]
-            # the text of every step that has arrived goes out in one event
-            text = "".join(o.text for o in batch)
-            if calls_stream is not None:
-                text = calls_stream.feed(text)
-            lp = None
-            if shaper is not None:
-                entries = [e for o in batch if o.logprobs for e in o.logprobs]
-                lp = shaper.shape(entries) if entries else None
-            if last.finish_reason is not None and last.finish_reason.failed:
-                yield (ev.chunk(text, None) if text else b"") + _error_event(last) + DONE
+            out = b""
+            for i, outs in by_choice(batch).items():
+                out += choices[i].events(ev, outs)
+                last = outs[-1]
+                if last.finish_reason is not None and last.finish_reason.failed:
+                    yield out + _error_event(last) + DONE
+                    return
+            if all(c.finished for c in choices):
+                if include_usage:
+                    out += ev.usage([c.last for c in choices])
+                yield out + DONE
                 return
-            if last.finish_reason is None:
-                if text or lp:
-                    yield ev.chunk(text, None, logprobs=lp)
-                continue
-            finish = last.finish_reason
-            calls = None
-            if calls_stream is not None:  # the held text: content, then the calls it holds
-                rest, calls = calls_stream.finish()
-                text += rest
-                finish = tool_finish(finish) if calls else finish
-            if calls:
-                out = (ev.chunk(text, None, logprobs=lp) if text or lp else b"") + ev.chunk(None, None, tool_calls=calls) \
-                    + ev.chunk(None, finish)
-            elif kind == "chat" and (text or lp):
-                out = ev.chunk(text, None, logprobs=lp) + ev.chunk(None, finish)
-            else:
-                out = ev.chunk(text, finish, logprobs=lp)
-            if include_usage:
-                out += ev.usage(last)
-            yield out + DONE
-            return
+            if out:
+                yield out
         yield DONE
 
     async def _llama_collect(self, rid: str, q: asyncio.Queue, model: str, want_tokens: bool) -> Response:

@@ -38,7 +38,8 @@ class _Common(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
-    n: int = Field(default=1, description="only 1 is supported")
+    n: int = Field(default=1, ge=1, le=16, description="Choices of one prompt, evaluated once; at most the slots of "
+                   "one pipeline group (n_parallel / pipeline_groups).")
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
@@ -81,13 +82,6 @@ class _Common(BaseModel):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -341,6 +335,8 @@ class LlamaCompletionRequest(CompletionRequest):
     def _slot(self) -> LlamaCompletionRequest:
         if self.id_slot != -1:
             raise ValueError("id_slot other than -1 is not supported: the scheduler picks the slot")
+        if self.n != 1:
+            raise ValueError("/completion answers one choice; use /v1/completions for n > 1")
         return self
 
 

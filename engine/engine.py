@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import random
 import threading
 import time
 import uuid
@@ -143,9 +144,15 @@ class Engine:
 
     def make_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-        cache_prompt: bool = True,
+        cache_prompt: bool = True, n: int = 1,
     ) -> Request:
-        """Validate and tokenise; raises ``RequestError`` for what cannot be served."""
+        """Validate and tokenise; raises ``RequestError`` for what cannot be served. With
+        ``n`` > 1 the request leads ``n - 1`` followers (see ``Request.followers``), whose
+        seeds follow its own so that every choice samples differently and reproducibly."""
+        per_group = self.config.n_slots_per_group
+        if n > per_group:
+            raise RequestError(f"n={n} needs {n} slots of one pipeline group; each group has {per_group} "
+                               "(n_parallel / pipeline_groups)")
         tokens = self.tokenize_prompt(prompt)
         room = self.n_ctx_slot - len(tokens)
         if room < 1:
@@ -158,13 +165,18 @@ class Engine:
             raise RequestError(f"logit_bias token ids out of range: {bad_bias[:5]}")
         if params.grammar:
             check_grammar(self.model.vocab, params.grammar)  # a bad grammar is the request's 400
-        return Request(
-            id=request_id or uuid.uuid4().hex,
-            prompt_tokens=tokens,
-            params=params,
-            n_predict=min(params.max_tokens, room),
-            cache_prompt=cache_prompt,
-        )
+        rid = request_id or uuid.uuid4().hex
+        if n > 1 and params.seed is None:
+            seed = self.config.seed if self.config.seed >= 0 else random.randrange(0, 2**32 - 1 - n)
+            params = params.model_copy(update={"seed": seed})
+        r = Request(id=rid, prompt_tokens=tokens, params=params, n_predict=min(params.max_tokens, room),
+                    cache_prompt=cache_prompt)
+        for i in range(1, n):
+            seed_i = (params.seed + i) % (2**32 - 1)
+            r.followers.append(Request(id=f"{rid}#{i}", prompt_tokens=tokens, t_arrival=r.t_arrival,
+                                       params=params.model_copy(update={"seed": seed_i}), n_predict=r.n_predict,
+                                       cache_prompt=False))
+        return r
 
     def submit(self, r: Request) -> None:
         """Queue a request; raises ``QueueFullError`` when the wait queue is full."""
@@ -202,6 +214,29 @@ class Engine:
             last = o
         assert last is not None
         return Completion("".join(parts), last)
+
+    def generate_n(self, prompt: str | list[int], params: SamplingParams, n: int) -> list[Completion]:
+        """``n`` choices of one prompt, evaluated once (see ``Request.followers``)."""
+        if self.outputs is None:
+            raise RuntimeError("generate_n() needs the engine's own output queues (sink=None)")
+        r = self.make_request(prompt, params, n=n)
+        qs = [self.outputs.register(m.id) for m in r.family]
+        try:
+            self.submit(r)
+            out = []
+            for q in qs:
+                parts = []
+                while True:
+                    o = q.get()
+                    parts.append(o.text)
+                    if o.finish_reason is not None:
+                        break
+                out.append(Completion("".join(parts), o))
+            return out
+        finally:
+            for m in r.family:
+                if self.outputs.unregister(m.id):
+                    self.cancel(m.id)
 
     # ---- slots ----------------------------------------------------------------------------------
 

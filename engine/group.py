@@ -194,12 +194,18 @@ class PipelineGroup:
                 self._begin(msg.request)
             except Exception as e:  # this request cannot start; the group goes on
                 log.exception("group %d: request %s failed to start", self.index, msg.request.id)
-                s = self._by_id[msg.request.slot_id]
-                # the slot may still hold the previous request's figures: report this one's
-                s.req = msg.request
-                s.n_generated = s.n_reused = 0
-                s.t_start, s.t_first_token = time.monotonic(), 0.0
-                self.sink([self._finish(s, FinishReason.ERROR, "", error=f"request failed to start: {e}")])
+                outs = []
+                for m in msg.request.family:
+                    s = self._by_id[m.slot_id]
+                    if s.req is m and s in self.active:
+                        outs.append(self._finish(s, FinishReason.ERROR, "", error=f"request failed to start: {e}"))
+                        continue
+                    # the slot may still hold the previous request's figures: report this one's
+                    s.req = m
+                    s.n_generated = s.n_reused = 0
+                    s.t_start, s.t_first_token = time.monotonic(), 0.0
+                    outs.append(self._finish(s, FinishReason.ERROR, "", error=f"request failed to start: {e}"))
+                self.sink(outs)
         elif isinstance(msg, CancelMsg):
             for s in self.active:
                 if s.req is not None and s.req.id == msg.request_id:
@@ -222,11 +228,18 @@ class PipelineGroup:
         return True
 
     def _begin(self, r: Request) -> None:
+        leader = self._begin_one(r)
+        for f in r.followers:
+            # its own sampler and text from now; its prompt's KV comes from the leader
+            fs = self._begin_one(f, leader)
+            leader.forks.append(fs)
+
+    def _begin_one(self, r: Request, leader: Slot | None = None) -> Slot:
         s = self._by_id[r.slot_id]
         assert s.state is SlotState.IDLE, f"slot {s.id} is busy"
         tokens = r.prompt_tokens
         n_keep = 0
-        if self.config.cache_prompt and r.cache_prompt and s.cache_tokens:
+        if leader is None and self.config.cache_prompt and r.cache_prompt and s.cache_tokens:
             n_keep = common_prefix(np.asarray(s.cache_tokens, np.int32), np.asarray(tokens, np.int32))
         n_keep = min(n_keep, len(tokens) - 1)  # the last prompt token is always evaluated
         if n_keep > 0 and self.ctx.seq_pos_min(s.seq_id) > max(0, n_keep - self.model.n_swa):
@@ -243,7 +256,8 @@ class PipelineGroup:
                                  banned=self.tok.eog_tokens if r.params.ignore_eos else (),
                                  vocab=self.model.vocab)
         s.sampler.accept_prompt(tokens)
-        if backend and s.sampler.offloadable:
+        # a family samples on the host: its followers' first token comes from the leader's row
+        if backend and s.sampler.offloadable and not r.followers and leader is None:
             s.on_backend = self.ctx.set_sampler(s.seq_id, s.sampler.ptr)
         s.text = TextStream(r.params.stop)
         s.n_prompt_done = n_keep
@@ -253,8 +267,10 @@ class PipelineGroup:
         s.t_start = time.monotonic()
         s.t_first_token = 0.0
         s.state = SlotState.PROMPT
+        s.leader = leader
         self.active.append(s)
         self.on_release(s.view(), False)
+        return s
 
     def _plan(self) -> list[Entry]:
         """This step's work: every generating slot's last token, then prompt chunks up to
@@ -266,7 +282,7 @@ class PipelineGroup:
                 entries.append(Entry(s, s.seq_id, len(s.cache_tokens), [s.last_token], True))
                 free -= 1
         for s in self.active:
-            if s.state is not SlotState.PROMPT or free == 0:
+            if s.state is not SlotState.PROMPT or free == 0 or s.leader is not None:
                 continue
             p = s.req.prompt_tokens
             chunk = p[s.n_prompt_done : s.n_prompt_done + free]
@@ -287,6 +303,7 @@ class PipelineGroup:
             if e.out:
                 rows.append(e.slot)
                 row_idx.append(i0 + len(e.tokens) - 1)
+        n_out = len(rows)
         n_tokens = b.n_tokens
         n_ubatches = count_ubatches(entries, self.ctx.n_ubatch, self.config.kv_unified)
         t1 = time.perf_counter()
@@ -309,7 +326,7 @@ class PipelineGroup:
         # CPU time of this thread in decode: the local stage's compute when it runs on the CPU
         prof.add("decode_cpu", time.thread_time() - c1)
         backend = self.config.backend_sampling
-        logits = self.ctx.logits(len(rows), self.n_vocab) if rows and not backend else None
+        logits = self.ctx.logits(n_out, self.n_vocab) if rows and not backend else None
         t3 = time.perf_counter()
         prof.add("sync", t3 - t2)
         for e in entries:
@@ -317,6 +334,9 @@ class PipelineGroup:
             s.cache_tokens.extend(e.tokens)
             if s.state is SlotState.PROMPT:
                 s.n_prompt_done += len(e.tokens)
+        out_row = self._fork(rows, row_idx)
+        if out_row is not None and logits is not None:
+            logits = logits[out_row]  # a follower samples from its leader's row
         if not rows:
             tokens = []
         elif backend:
@@ -336,6 +356,27 @@ class PipelineGroup:
         prof.add("send", time.perf_counter() - t5)
         n_busy = len(self.active) + sum(1 for o in outs if o.finish_reason)
         prof.end_step(len(rows), n_tokens, n_busy, sum(len(s.cache_tokens) for s in self.slots), n_ubatches)
+
+    def _fork(self, rows: list[Slot], row_idx: list[int]) -> list[int] | None:
+        """Leaders whose prompt is now in the KV hand it to their followers: each follower's
+        sequence gets a copy and joins this step's rows on its leader's logits. Returns the
+        logits row of each row when followers joined, else None."""
+        out_row: list[int] | None = None
+        for i in range(len(rows)):
+            s = rows[i]
+            if not s.forks or s.n_prompt_done < len(s.req.prompt_tokens):
+                continue
+            out_row = out_row if out_row is not None else list(range(len(rows)))
+            for f in s.forks:
+                self.ctx.seq_cp(s.seq_id, f.seq_id)
+                f.cache_tokens[:] = s.cache_tokens
+                f.n_prompt_done = len(f.req.prompt_tokens)
+                f.leader = None
+                rows.append(f)
+                row_idx.append(row_idx[i])
+                out_row.append(i)
+            s.forks = []
+        return out_row
 
     def _sample(self, rows: list[Slot], logits: np.ndarray) -> list[int]:
         n = len(rows)
@@ -447,6 +488,14 @@ class PipelineGroup:
         if s.sampler is not None:
             s.sampler.close()
             s.sampler = None
+        # n > 1 before the prompt was shared: a leader's followers evaluate it themselves; a
+        # follower leaves its leader's list
+        for f in s.forks:
+            f.leader = None
+        s.forks = []
+        if s.leader is not None:
+            s.leader.forks.remove(s)
+            s.leader = None
         s.text = None
         s.req = None
         s.state = SlotState.IDLE

@@ -383,6 +383,11 @@ class Context:
     def seq_rm(self, seq_id: int, p0: int, p1: int = -1) -> bool:
         return bool(llama_cpp.llama_memory_seq_rm(self.memory, seq_id, p0, p1))
 
+    def seq_cp(self, src: int, dst: int) -> None:
+        """Copy a whole sequence's KV to another (empty) sequence. With one KV stream per
+        sequence llama.cpp copies the source's stream at the start of the next decode."""
+        llama_cpp.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+
     def seq_pos_min(self, seq_id: int) -> int:
         return int(llama_cpp.llama_memory_seq_pos_min(self.memory, seq_id))
 

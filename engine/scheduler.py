@@ -46,7 +46,7 @@ class Scheduler:
 
     def submit(self, r: Request) -> None:
         with self._lock:
-            if self._idle and not self._waiting:
+            if not self._waiting and self._fits(r):
                 self._assign(r)
                 return
             if len(self._waiting) >= self.max_queued:
@@ -56,18 +56,34 @@ class Scheduler:
             self._waiting[r.id] = r
             self.n_deferred_total += 1
 
+    def _idle_by_group(self) -> dict[int, list[SlotView]]:
+        out: dict[int, list[SlotView]] = {}
+        for i in self._idle:
+            v = self._views[i]
+            out.setdefault(v.group, []).append(v)
+        return out
+
+    def _fits(self, r: Request) -> bool:
+        """Whether the request (with its followers, all in one group) can start now."""
+        n = len(r.followers) + 1
+        return any(len(vs) >= n for vs in self._idle_by_group().values())
+
     def _assign(self, r: Request) -> None:
-        idle = [self._views[i] for i in self._idle]
+        n = len(r.followers) + 1
+        idle = [v for vs in self._idle_by_group().values() if len(vs) >= n for v in vs]
         busy: dict[int, set[int]] = {}
         for sid in self._slot_request:
             b = self._views[sid]
             busy.setdefault(b.group, set()).add(b.seq_id)
         prompt = np.asarray(r.prompt_tokens, dtype=np.int32)
         v = choose_slot(idle, prompt, self._last_used, self.similarity, busy)
-        self._idle.discard(v.id)
-        r.slot_id = v.id
-        self._running[r.id] = r
-        self._slot_request[v.id] = r.id
+        # followers: the group's other idle slots nearest in sequence id (one micro-batch)
+        others = sorted((w for w in idle if w.group == v.group and w.id != v.id), key=lambda w: abs(w.seq_id - v.seq_id))
+        for member, slot in zip(r.family, [v, *others], strict=False):
+            self._idle.discard(slot.id)
+            member.slot_id = slot.id
+            self._running[member.id] = member
+            self._slot_request[slot.id] = member.id
         self._dispatch(v.group, r)
 
     def release(self, view: SlotView, finished: bool) -> None:
@@ -81,7 +97,9 @@ class Scheduler:
                 self._running.pop(rid, None)
             self._idle.add(view.id)
             self._last_used[view.id] = time.monotonic()
-            while self._waiting and self._idle:
+            # first come, first served: a request waiting for several slots of one group holds
+            # back the ones behind it until they are free
+            while self._waiting and self._fits(next(iter(self._waiting.values()))):
                 _, r = self._waiting.popitem(last=False)
                 self._assign(r)
 
@@ -94,7 +112,7 @@ class Scheduler:
                     return False
                 group = self._views[running.slot_id].group
         if r is not None:
-            self._sink([Output(r.id, "", 0, FinishReason.CANCELLED, len(r.prompt_tokens))])
+            self._sink([Output(m.id, "", 0, FinishReason.CANCELLED, len(m.prompt_tokens)) for m in r.family])
             return True
         self._cancel_running(group, request_id)
         return True

@@ -54,6 +54,9 @@ class Slot:
     t_start: float = 0.0
     t_first_token: float = 0.0
     last_used: float = field(default_factory=time.monotonic)
+    # n > 1: a leader's followers that wait for its prompt; a follower's leader
+    forks: list[Slot] = field(default_factory=list)
+    leader: Slot | None = None
 
     def view(self) -> SlotView:
         return SlotView(

@@ -46,6 +46,14 @@ class Request:
     t_arrival: float = field(default_factory=time.monotonic)
     slot_id: int = -1
     cache_prompt: bool = True  # reuse the chosen slot's cached prefix (with the engine's cache_prompt)
+    # n > 1: the other choices of the same prompt (ids "<id>#1", "<id>#2", ...). They run on
+    # slots of this request's group; the prompt is evaluated once, on this request's slot,
+    # and its KV copied to theirs before each samples its first token from the same logits.
+    followers: list[Request] = field(default_factory=list)
+
+    @property
+    def family(self) -> list[Request]:
+        return [self, *self.followers]
 
 
 class Output(NamedTuple):

@@ -160,7 +160,7 @@ def test_app_args_refuse_unsafe_rpc_bind_and_bad_groups():
 def test_sse_events_encode_as_openai_chunks():
     import json as _json
 
-    from deployments.ingress import SseEvents
+    from deployments.shaping import SseEvents
 
     for kind in ("completion", "chat"):
         ev = SseEvents("id-1", kind, "m", include_usage=True)

@@ -92,7 +92,8 @@ BAD = [
     ("negative max_tokens", {"prompt": "hi", "max_tokens": -1}, 400),
     ("temperature out of range", {"prompt": "hi", "temperature": 5}, 400),
     ("wrong type", {"prompt": "hi", "max_tokens": "many"}, 400),
-    ("n other than 1", {"prompt": "hi", "n": 2}, 400),
+    ("n of 0", {"prompt": "hi", "n": 0}, 400),
+    ("n beyond a group's slots", {"prompt": "hi", "n": 3}, 400),
     ("unknown field", {"prompt": "hi", "frobnicate": True}, 400),
     ("logit_bias out of range", {"prompt": "hi", "logit_bias": {"5": 500}}, 400),
     ("logit_bias bad key", {"prompt": "hi", "logit_bias": {"x": 1}}, 400),
@@ -301,3 +302,31 @@ def test_bad_tool_requests_are_400(base):
                   {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}):
         r = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **extra})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_n_choices_through_the_openai_sdk(client, base):
+    greedy = client.completions.create(model="synthetic.gguf", prompt="choices", max_tokens=12, temperature=0)
+    r = client.completions.create(model="synthetic.gguf", prompt="choices", max_tokens=12, temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [greedy.choices[0].text] * 2
+    assert r.usage.prompt_tokens == greedy.usage.prompt_tokens
+    assert r.usage.completion_tokens == 2 * greedy.usage.completion_tokens
+
+    # streamed chat: chunks of both choices, each with its role, text and finish
+    stream = client.chat.completions.create(model="synthetic.gguf", messages=[{"role": "user", "content": "hi"}],
+                                            n=2, max_tokens=10, temperature=1.0, seed=5, stream=True,
+                                            stream_options={"include_usage": True})
+    text, finish, roles = {0: "", 1: ""}, {}, set()
+    usage = None
+    for c in stream:
+        if c.usage is not None:
+            usage = c.usage
+        for ch in c.choices:
+            roles.update([ch.index] if ch.delta.role == "assistant" else [])
+            text[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert roles == {0, 1} and set(finish) == {0, 1} and all(text.values())
+    assert usage.completion_tokens >= 2
+    # the slots are free again
+    assert all(not s["is_processing"] for s in httpx.get(base + "/slots").json())

@@ -223,3 +223,15 @@ def test_prompt_too_long_is_refused(make_gemma):
     e = make_gemma(n_parallel=4, n_ctx=1024)
     with pytest.raises(RequestError, match="shorten the prompt"):
         e.make_request("word " * 400, GREEDY)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_n_choices_share_the_prompts_kv_with_sliding_windows_and_over_the_split(make_gemma, rpc_endpoint, split):
+    """Gemma's cache has a sliding-window part; over the split the peer's KV is copied by
+    the RPC server. Greedy choices of one prompt are the single request's answer."""
+    kw = {"rpc_endpoints": [rpc_endpoint], "peer_layers": 9, "repack": False} if split else {}
+    e = make_gemma(n_parallel=3, n_ctx=3 * N_CTX_SLOT, cache_prompt=False, **kw)
+    for p in PROMPTS[:3]:
+        want = e.generate(p, GREEDY).text
+        got = [c.text for c in e.generate_n(p, GREEDY, 3)]
+        assert got == [want] * 3, (p, want, got)

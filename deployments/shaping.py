@@ -1,0 +1,153 @@
+"""Response shaping: a request's outputs, per choice, into OpenAI's answer and SSE chunks.
+
+Pure functions and small per-request state, no I/O: the ingress feeds each choice's outputs
+in and sends what comes out. A request with ``n`` choices has outputs for request ids
+``<id>`` (choice 0) and ``<id>#<i>``; each choice has its own text, log probabilities
+and tool-call parser.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from deployments.protocol import LogprobsShaper, now, usage
+from engine.tools import ToolCallStream, limit_calls, parse_tool_calls, tool_finish
+from engine.types import Output
+
+
+def member_ids(rid: str, n: int) -> list[str]:
+    """The engine's request id of each choice."""
+    return [rid] + [f"{rid}#{i}" for i in range(1, n)]
+
+
+def choice_index(request_id: str) -> int:
+    _, sep, tail = request_id.rpartition("#")
+    return int(tail) if sep else 0
+
+
+def total_usage(finals: list[Output]) -> dict:
+    """One prompt (evaluated once) and every choice's completion tokens."""
+    lead = finals[0]
+    return usage(lead.prompt_tokens, sum(o.completion_tokens for o in finals), lead.cached_tokens)
+
+
+class SseEvents:
+    """The SSE events of one streamed request. The parts that do not change are encoded
+    once, so a token of choice 0 costs one ``json.dumps`` of its text."""
+
+    def __init__(self, rid: str, kind: str, model: str, include_usage: bool) -> None:
+        self.kind = kind
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        self.head = {"id": rid, "object": obj, "created": now(), "model": model}
+        head = json.dumps(self.head, ensure_ascii=False)[:-1].encode()
+        key = b'"delta": {"content": ' if kind == "chat" else b'"text": '
+        tail = b"}" if kind == "chat" else b""
+        self._prefix = b"data: " + head + b', "choices": [{"index": 0, ' + key
+        self._suffix = tail + b', "finish_reason": null, "logprobs": null}]' + (
+            b', "usage": null' if include_usage else b""
+        ) + b"}\n\n"
+        self.include_usage = include_usage
+
+    def chunk(self, text: str | None, finish: str | None, first: bool = False, logprobs: dict | None = None,
+              tool_calls: list[dict] | None = None, index: int = 0) -> bytes:
+        if text and finish is None and not first and logprobs is None and tool_calls is None and index == 0:
+            return self._prefix + json.dumps(text, ensure_ascii=False).encode() + self._suffix  # the per-token case
+        if self.kind == "chat":
+            delta: dict[str, Any] = {}
+            if first:
+                delta["role"] = "assistant"
+            if text:
+                delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)]
+            choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        else:
+            choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
+        body = {**self.head, "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+    def usage(self, finals: list[Output]) -> bytes:
+        body = {**self.head, "choices": [], "usage": total_usage(finals)}
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+class Choice:
+    """One choice of a request: what has arrived for it, and its streamed form."""
+
+    def __init__(self, index: int, kind: str, want_logprobs: bool, tools: dict | None) -> None:
+        self.index = index
+        self.kind = kind
+        self.parts: list[str] = []
+        self.entries: list[tuple] = []
+        self.last: Output | None = None
+        self.want_logprobs = want_logprobs
+        self.tools = tools
+        self._shaper = LogprobsShaper(kind) if want_logprobs else None
+        self._calls = ToolCallStream(tools["names"], tools["parallel"]) if tools is not None else None
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finish_reason is not None
+
+    # ---- the whole answer ---------------------------------------------------------------------
+
+    def add(self, outs: list[Output]) -> None:
+        self.parts.extend(o.text for o in outs)
+        self.entries.extend(e for o in outs if o.logprobs for e in o.logprobs)
+        self.last = outs[-1]
+
+    def body(self) -> dict[str, Any]:
+        """The choice in a non-streamed answer."""
+        assert self.last is not None
+        text = "".join(self.parts)
+        lp = LogprobsShaper(self.kind).shape(self.entries) if self.want_logprobs else None
+        finish = self.last.finish_reason
+        if self.kind != "chat":
+            return {"index": self.index, "text": text, "finish_reason": finish, "logprobs": lp}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            content, calls = parse_tool_calls(text, self.tools["names"])
+            calls = limit_calls(calls, self.tools["parallel"])
+            if calls:
+                message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                finish = tool_finish(finish)
+        return {"index": self.index, "message": message, "finish_reason": finish, "logprobs": lp}
+
+    # ---- the stream ---------------------------------------------------------------------------
+
+    def events(self, ev: SseEvents, outs: list[Output]) -> bytes:
+        """The SSE chunks for outputs that arrived for this choice (not for a failed end: the
+        caller sends the error)."""
+        self.last = outs[-1]
+        text = "".join(o.text for o in outs)
+        if self._calls is not None:
+            text = self._calls.feed(text)
+        lp = None
+        if self._shaper is not None:
+            entries = [e for o in outs if o.logprobs for e in o.logprobs]
+            lp = self._shaper.shape(entries) if entries else None
+        finish = self.last.finish_reason
+        if finish is None or finish.failed:
+            return ev.chunk(text, None, logprobs=lp, index=self.index) if text or lp else b""
+        calls = None
+        if self._calls is not None:  # the held text: content, then the calls it holds
+            rest, calls = self._calls.finish()
+            text += rest
+            finish = tool_finish(finish) if calls else finish
+        if calls:
+            return (ev.chunk(text, None, logprobs=lp, index=self.index) if text or lp else b"") \
+                + ev.chunk(None, None, tool_calls=calls, index=self.index) + ev.chunk(None, finish, index=self.index)
+        if self.kind == "chat" and (text or lp):
+            return ev.chunk(text, None, logprobs=lp, index=self.index) + ev.chunk(None, finish, index=self.index)
+        return ev.chunk(text, finish, logprobs=lp, index=self.index)
+
+
+def by_choice(batch: list[Output]) -> dict[int, list[Output]]:
+    """A batch of outputs split per choice, each in arrival order."""
+    out: dict[int, list[Output]] = {}
+    for o in batch:
+        out.setdefault(choice_index(o.request_id), []).append(o)
+    return out
