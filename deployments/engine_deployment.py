@@ -268,13 +268,14 @@ class EngineDeployment:
             prompt, params, plan = chat_prompt(self.engine.tokenizer, req, self._default_max_tokens())
             if plan.active:
                 extra["tools"] = {"names": plan.names, "parallel": plan.parallel}
-            return self.engine.make_request(prompt, params, request_id, n=req.n), extra
+            return self.engine.make_request(prompt, params, request_id, n=req.n, id_slot=req.id_slot), extra
         prompt = req.prompt
         if req.echo:
             extra["echo"] = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
         params = req.sampling(self._default_max_tokens())
         cache_prompt = getattr(req, "cache_prompt", True)
-        return self.engine.make_request(prompt, params, request_id, cache_prompt=cache_prompt, n=req.n), extra
+        return self.engine.make_request(prompt, params, request_id, cache_prompt=cache_prompt, n=req.n,
+                                        id_slot=req.id_slot), extra
 
     # ---- llama-server's utility endpoints (off the event loop: inputs can be large) -----------
 

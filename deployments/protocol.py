@@ -77,6 +77,8 @@ class _Common(BaseModel):
     json_schema: dict[str, Any] | None = Field(default=None, description="A JSON schema the output must match (llama-server).")
     n_predict: int | None = Field(default=None, ge=-1, le=1_000_000, description="llama-server's max_tokens; -1: no limit.")
     n_probs: int | None = Field(default=None, ge=0, le=20, description="llama-server's logprobs: this many alternatives per token.")
+    id_slot: int = Field(default=-1, ge=-1, description="llama-server's slot pinning: run on this slot, waiting until "
+                         "it is free; -1: the scheduler picks (longest cached prefix).")
     # accepted and ignored, as OpenAI's API defines them for what this server does not keep
     user: str | None = None
     store: bool | None = None
@@ -329,12 +331,9 @@ class LlamaCompletionRequest(CompletionRequest):
 
     cache_prompt: bool = Field(default=True, description="Reuse the slot's cached prefix for this request.")
     return_tokens: bool = Field(default=False, description="Return the generated token ids too.")
-    id_slot: int = Field(default=-1, description="Only -1 (any slot) is supported.")
 
     @model_validator(mode="after")
     def _slot(self) -> LlamaCompletionRequest:
-        if self.id_slot != -1:
-            raise ValueError("id_slot other than -1 is not supported: the scheduler picks the slot")
         if self.n != 1:
             raise ValueError("/completion answers one choice; use /v1/completions for n > 1")
         return self
@@ -358,6 +357,7 @@ def llama_final(o: Any, content: str, model: str, tokens: list[int] | None) -> d
         "tokens_cached": o.cached_tokens,
         "stop_type": stop_type,
         "stopping_word": o.stop_word or "",
+        "id_slot": o.slot,
         "truncated": False,
         "timings": {
             "prompt_n": o.prompt_tokens - o.cached_tokens,

@@ -144,12 +144,16 @@ class Engine:
 
     def make_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-        cache_prompt: bool = True, n: int = 1,
+        cache_prompt: bool = True, n: int = 1, id_slot: int = -1,
     ) -> Request:
         """Validate and tokenise; raises ``RequestError`` for what cannot be served. With
         ``n`` > 1 the request leads ``n - 1`` followers (see ``Request.followers``), whose
         seeds follow its own so that every choice samples differently and reproducibly."""
         per_group = self.config.n_slots_per_group
+        if not -1 <= id_slot < len(self.slots):
+            raise RequestError(f"id_slot {id_slot} does not exist; slots are 0..{len(self.slots) - 1} (or -1: any)")
+        if id_slot >= 0 and n > 1:
+            raise RequestError("id_slot picks one slot; n > 1 needs several")
         if n > per_group:
             raise RequestError(f"n={n} needs {n} slots of one pipeline group; each group has {per_group} "
                                "(n_parallel / pipeline_groups)")
@@ -170,7 +174,7 @@ class Engine:
             seed = self.config.seed if self.config.seed >= 0 else random.randrange(0, 2**32 - 1 - n)
             params = params.model_copy(update={"seed": seed})
         r = Request(id=rid, prompt_tokens=tokens, params=params, n_predict=min(params.max_tokens, room),
-                    cache_prompt=cache_prompt)
+                    cache_prompt=cache_prompt, id_slot=id_slot)
         for i in range(1, n):
             seed_i = (params.seed + i) % (2**32 - 1)
             r.followers.append(Request(id=f"{rid}#{i}", prompt_tokens=tokens, t_arrival=r.t_arrival,

@@ -481,6 +481,7 @@ class PipelineGroup:
             logprobs=logprobs,
             tokens=tokens,
             stop_word=stop_word,
+            slot=s.id,
         )
         if s.on_backend:
             self.ctx.set_sampler(s.seq_id, None)

@@ -55,6 +55,7 @@ class Scheduler:
                 )
             self._waiting[r.id] = r
             self.n_deferred_total += 1
+            self._start_waiting()  # slots may be idle that the requests ahead cannot use
 
     def _idle_by_group(self) -> dict[int, list[SlotView]]:
         out: dict[int, list[SlotView]] = {}
@@ -65,6 +66,8 @@ class Scheduler:
 
     def _fits(self, r: Request) -> bool:
         """Whether the request (with its followers, all in one group) can start now."""
+        if r.id_slot >= 0:
+            return r.id_slot in self._idle
         n = len(r.followers) + 1
         return any(len(vs) >= n for vs in self._idle_by_group().values())
 
@@ -76,7 +79,10 @@ class Scheduler:
             b = self._views[sid]
             busy.setdefault(b.group, set()).add(b.seq_id)
         prompt = np.asarray(r.prompt_tokens, dtype=np.int32)
-        v = choose_slot(idle, prompt, self._last_used, self.similarity, busy)
+        if r.id_slot >= 0:
+            v = self._views[r.id_slot]
+        else:
+            v = choose_slot(idle, prompt, self._last_used, self.similarity, busy)
         # followers: the group's other idle slots nearest in sequence id (one micro-batch)
         others = sorted((w for w in idle if w.group == v.group and w.id != v.id), key=lambda w: abs(w.seq_id - v.seq_id))
         for member, slot in zip(r.family, [v, *others], strict=False):
@@ -97,11 +103,20 @@ class Scheduler:
                 self._running.pop(rid, None)
             self._idle.add(view.id)
             self._last_used[view.id] = time.monotonic()
-            # first come, first served: a request waiting for several slots of one group holds
-            # back the ones behind it until they are free
-            while self._waiting and self._fits(next(iter(self._waiting.values()))):
-                _, r = self._waiting.popitem(last=False)
+            self._start_waiting()
+
+    def _start_waiting(self) -> None:
+        """First come, first served: a request waiting for several slots of one group holds
+        back the ones behind it until they are free; one waiting for a given busy slot
+        (``id_slot``) holds back none."""
+        for rid, r in list(self._waiting.items()):
+            if not self._idle:
+                return
+            if self._fits(r):
+                del self._waiting[rid]
                 self._assign(r)
+            elif r.id_slot < 0:
+                return
 
     def cancel(self, request_id: str) -> bool:
         with self._lock:

@@ -50,6 +50,7 @@ class Request:
     # slots of this request's group; the prompt is evaluated once, on this request's slot,
     # and its KV copied to theirs before each samples its first token from the same logits.
     followers: list[Request] = field(default_factory=list)
+    id_slot: int = -1  # llama-server's id_slot: run on this slot (waiting until it is free); -1: any
 
     @property
     def family(self) -> list[Request]:
@@ -76,3 +77,4 @@ class Output(NamedTuple):
     logprobs: tuple | None = None
     tokens: tuple[int, ...] = ()  # the token ids generated in this step (not the end-of-generation token)
     stop_word: str | None = None  # with finish_reason "stop": the stop string that ended it
+    slot: int = -1  # on the final output: the slot that ran the request

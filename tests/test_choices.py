@@ -93,3 +93,30 @@ def test_cancelling_a_waiting_family_ends_every_choice(make_engine):
     assert e.cancel(fam.id)
     assert [qq.get(timeout=10).finish_reason for qq in q] == ["cancelled", "cancelled"]
     e.cancel(blocker.id)
+
+
+def test_id_slot_runs_on_that_slot_and_waits_for_it_without_holding_back_others(make_engine):
+    e = make_engine(n_parallel=4, pipeline_groups=2)
+    short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for slot in (3, 0, 2):
+        r = e.make_request(PROMPT, short, id_slot=slot)
+        q = e.outputs.register(r.id)
+        e.submit(r)
+        while (o := q.get(timeout=30)).finish_reason is None:
+            pass
+        assert o.slot == slot
+    # slot 1 busy: a request pinned to it waits; one behind it that any slot can take runs
+    blocker = e.make_request("blocker", SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True), id_slot=1)
+    e.submit(blocker)
+    pinned = e.make_request(PROMPT, short, id_slot=1)
+    qp = e.outputs.register(pinned.id)
+    e.submit(pinned)
+    free = e.generate("any slot", short)
+    assert free.final.finish_reason == "length" and free.final.slot != 1
+    assert qp.empty() and e.scheduler.counts()[1] == 1
+    e.cancel(blocker.id)
+    while (o := qp.get(timeout=30)).finish_reason is None:
+        pass
+    assert o.slot == 1 and o.finish_reason == "length"
+    with pytest.raises(RequestError, match="id_slot 4 does not exist"):
+        e.make_request(PROMPT, short, id_slot=4)

@@ -252,7 +252,11 @@ def test_llama_servers_completion_route(base):
     # per-request cache_prompt
     again = httpx.post(base + "/completion", json={**body, "cache_prompt": False}, timeout=60).json()
     assert again["tokens_cached"] == 0 and again["content"] == r["content"]
-    assert httpx.post(base + "/completion", json={**body, "id_slot": 2}, timeout=60).status_code == 400
+    # id_slot pins the slot
+    for slot in (2, 1):
+        pinned = httpx.post(base + "/completion", json={**body, "id_slot": slot}, timeout=60).json()
+        assert pinned["id_slot"] == slot and pinned["content"] == r["content"]
+    assert httpx.post(base + "/completion", json={**body, "id_slot": 4}, timeout=60).status_code == 400
 
 
 TOOLS = [
