@@ -34,13 +34,21 @@ from deployments.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     LlamaCompletionRequest,
+    ResponsesRequest,
     TokenizeRequest,
     error_body,
     error_type,
     llama_final,
     now,
 )
-from deployments.shaping import Choice, SseEvents, by_choice, member_ids, total_usage
+from deployments.shaping import (
+    Choice,
+    ResponsesShaper,
+    SseEvents,
+    by_choice,
+    member_ids,
+    total_usage,
+)
 from engine.types import SHUTTING_DOWN, FinishReason, Output
 from observability.process import rss_bytes
 
@@ -58,6 +66,7 @@ _BODY_MODELS = {
     "DetokenizeRequest": DetokenizeRequest,
     "ApplyTemplateRequest": ApplyTemplateRequest,
     "LlamaCompletionRequest": LlamaCompletionRequest,
+    "ResponsesRequest": ResponsesRequest,
 }
 
 
@@ -315,14 +324,16 @@ class Ingress:
             raise HTTPError(404, f"the model {name!r} does not exist; this server serves {self.model_names[0]!r}", "model")
 
     @staticmethod
-    def _validate(kind: str, body: dict) -> ChatCompletionRequest | CompletionRequest:
-        model_cls = {"chat": ChatCompletionRequest, "llama": LlamaCompletionRequest}.get(kind, CompletionRequest)
+    def _validate(kind: str, body: dict) -> ChatCompletionRequest | CompletionRequest | ResponsesRequest:
+        model_cls = {"chat": ChatCompletionRequest, "llama": LlamaCompletionRequest,
+                     "responses": ResponsesRequest}.get(kind, CompletionRequest)
         req = model_cls.model_validate(body)
-        req.sampling(1)
+        (req.to_chat() if isinstance(req, ResponsesRequest) else req).sampling(1)
         return req
 
     async def _submit(self, request: Request, kind: str) -> Response:
-        """``kind``: "chat", "completion" (OpenAI's) or "llama" (llama-server's /completion)."""
+        """``kind``: "chat", "completion", "responses" (OpenAI's) or "llama" (llama-server's
+        /completion)."""
         self._check_auth(request)
         raw = await self._read_body(request)
         body = await self._json(request, raw)
@@ -333,8 +344,9 @@ class Ingress:
         except ValueError as e:
             raise HTTPError(400, str(e)) from None
         self._check_model(req.model)
+        api_req, req = req, (req.to_chat() if isinstance(req, ResponsesRequest) else req)  # what the engine runs
         conn = await self._connection()
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        rid = {"chat": "chatcmpl-", "responses": "resp_"}.get(kind, "cmpl-") + uuid.uuid4().hex
         p = _Pending(conn, req.n)
         ids = member_ids(rid, req.n)
         for m in ids:
@@ -358,6 +370,11 @@ class Ingress:
                 return _event_stream(self._llama_sse(rid, p.queue, model, want_tokens),
                                      BackgroundTask(self._release, rid))
             return await self._llama_collect(rid, p.queue, model, want_tokens)
+        if kind == "responses":
+            shaper = ResponsesShaper(rid, model, api_req)
+            if req.stream:
+                return _event_stream(self._responses_sse(rid, p.queue, shaper), BackgroundTask(self._release, rid))
+            return await self._responses_collect(rid, p.queue, shaper)
         tools = res.get("tools")  # the tool-call parser's settings, when the request has tools
         choices = [Choice(i, kind, req.n_logprobs() is not None, tools) for i in range(req.n)]
         if req.stream:
@@ -449,6 +466,32 @@ class Ingress:
                 yield out
         yield DONE
 
+    async def _responses_collect(self, rid: str, q: asyncio.Queue, shaper: ResponsesShaper) -> Response:
+        last = None
+        async for batch in self._outputs(rid, q):
+            shaper.add(batch)
+            last = batch[-1]
+        assert last is not None
+        if last.finish_reason is not None and last.finish_reason.failed:
+            return _error_of(last)
+        return JSONResponse(shaper.response(shaper.status_of(last), last))
+
+    async def _responses_sse(self, rid: str, q: asyncio.Queue, shaper: ResponsesShaper):
+        """The Responses API's typed events (no ``[DONE]``)."""
+        yield shaper.opening()
+        async for batch in self._outputs(rid, q):
+            last = batch[-1]
+            text = "".join(o.text for o in batch)
+            out = shaper.delta(text) if text else b""
+            if last.finish_reason is not None and last.finish_reason.failed:
+                yield out + shaper.failed(*_error_status(last))
+                return
+            if last.finish_reason is not None:
+                yield out + shaper.closing(last)
+                return
+            if out:
+                yield out
+
     async def _llama_collect(self, rid: str, q: asyncio.Queue, model: str, want_tokens: bool) -> Response:
         parts: list[str] = []
         tokens: list[int] = []
@@ -491,6 +534,10 @@ class Ingress:
     @app.post("/completion", openapi_extra=_body("LlamaCompletionRequest"))
     async def llama_completion(self, request: Request) -> Response:
         return await self._submit(request, "llama")
+
+    @app.post("/v1/responses", openapi_extra=_body("ResponsesRequest"))
+    async def responses(self, request: Request) -> Response:
+        return await self._submit(request, "responses")
 
     @app.post("/v1/chat/completions", openapi_extra=_body("ChatCompletionRequest"))
     async def chat_completions(self, request: Request) -> Response:

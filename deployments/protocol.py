@@ -240,6 +240,76 @@ class ChatCompletionRequest(_Common):
         return self.n_probs
 
 
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses`` (OpenAI's Responses API): text in, text out, served as a chat
+    request. Nothing is stored: ``previous_response_id`` and ``tools`` are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    temperature: float | None = _sampling("temperature")
+    top_p: float | None = _sampling("top_p")
+    stream: bool = False
+    text: dict[str, Any] | None = Field(default=None, description='{"format": {"type": "text" | "json_object" | "json_schema", ...}}')
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    truncation: Literal["disabled"] | None = None
+    reasoning: dict[str, Any] | None = None
+    # accepted and ignored, as for chat
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponsesRequest:
+        if self.previous_response_id is not None:
+            raise ValueError("previous_response_id is not supported: responses are not stored; send the whole input")
+        if self.tools:
+            raise ValueError("tools are not supported on /v1/responses; use /v1/chat/completions")
+        self.to_chat()
+        return self
+
+    def messages(self) -> list[dict[str, Any]]:
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        if isinstance(self.input, str):
+            return [*msgs, {"role": "user", "content": self.input}]
+        for i, item in enumerate(self.input):
+            if item.get("type", "message") != "message" or "role" not in item:
+                raise ValueError(f"input[{i}]: only message items (role and content) are supported")
+            content = item.get("content")
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part.get("type") not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+                        raise ValueError(f"input[{i}]: only text content parts are supported")
+                    parts.append({"type": "text", "text": part["text"]})
+                content = parts
+            msgs.append({"role": item["role"], "content": content})
+        return msgs
+
+    def response_format(self) -> dict[str, Any] | None:
+        fmt = (self.text or {}).get("format")
+        if not fmt or fmt.get("type") == "text":
+            return None
+        if fmt.get("type") == "json_schema":
+            return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+        return {"type": fmt.get("type")}
+
+    def to_chat(self) -> ChatCompletionRequest:
+        body: dict[str, Any] = {"messages": self.messages(), "stream": self.stream, "model": self.model,
+                                "response_format": self.response_format()}
+        for k, v in (("max_tokens", self.max_output_tokens), ("temperature", self.temperature), ("top_p", self.top_p)):
+            if v is not None:
+                body[k] = v
+        return ChatCompletionRequest.model_validate(body)
+
+
 ApiRequest = ChatCompletionRequest | CompletionRequest  # what the ingress hands the engine, validated
 
 

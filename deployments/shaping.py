@@ -151,3 +151,90 @@ def by_choice(batch: list[Output]) -> dict[int, list[Output]]:
     for o in batch:
         out.setdefault(choice_index(o.request_id), []).append(o)
     return out
+
+
+# ---- OpenAI's Responses API -----------------------------------------------------------------------
+
+
+class ResponsesShaper:
+    """One ``/v1/responses`` answer: the response object, and its stream of typed events
+    (created, the message item and its text part, text deltas, then completed)."""
+
+    def __init__(self, rid: str, model: str, req: Any) -> None:
+        self.rid = rid
+        self.msg_id = "msg_" + rid.removeprefix("resp_")
+        self.model = model
+        self.req = req
+        self.created = now()
+        self.seq = 0
+        self.parts: list[str] = []
+
+    def response(self, status: str, final: Output | None = None) -> dict[str, Any]:
+        text = "".join(self.parts)
+        done = status != "in_progress"
+        output = [self._item(text, status)] if done else []
+        body: dict[str, Any] = {
+            "id": self.rid, "object": "response", "created_at": self.created, "status": status, "model": self.model,
+            "output": output, "error": None, "incomplete_details": None, "instructions": self.req.instructions,
+            "max_output_tokens": self.req.max_output_tokens, "temperature": self.req.temperature, "top_p": self.req.top_p,
+            "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "text": self.req.text or {"format": {"type": "text"}},
+            "metadata": self.req.metadata or {}, "store": False, "truncation": "disabled", "usage": None,
+        }
+        if status == "incomplete":
+            body["incomplete_details"] = {"reason": "max_output_tokens"}
+        if final is not None:
+            body["usage"] = {
+                "input_tokens": final.prompt_tokens, "output_tokens": final.completion_tokens,
+                "total_tokens": final.prompt_tokens + final.completion_tokens,
+                "input_tokens_details": {"cached_tokens": final.cached_tokens, "cache_write_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            }
+        return body
+
+    def _item(self, text: str, status: str) -> dict[str, Any]:
+        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" else []
+        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": content}
+
+    @staticmethod
+    def status_of(final: Output) -> str:
+        return "incomplete" if final.finish_reason == "length" else "completed"
+
+    def add(self, outs: list[Output]) -> None:
+        self.parts.extend(o.text for o in outs)
+
+    # ---- the stream ---------------------------------------------------------------------------
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        body = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: ".encode() + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+    def opening(self) -> bytes:
+        item = {"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant", "content": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return (self.event("response.created", response=self.response("in_progress"))
+                + self.event("response.in_progress", response=self.response("in_progress"))
+                + self.event("response.output_item.added", output_index=0, item=item)
+                + self.event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0, part=part))
+
+    def delta(self, text: str) -> bytes:
+        self.parts.append(text)
+        return self.event("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0,
+                          delta=text, logprobs=[])
+
+    def closing(self, final: Output) -> bytes:
+        status = self.status_of(final)
+        text = "".join(self.parts)
+        item = self._item(text, status)
+        done = "response.completed" if status == "completed" else "response.incomplete"
+        return (self.event("response.output_text.done", item_id=self.msg_id, output_index=0, content_index=0,
+                           text=text, logprobs=[])
+                + self.event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0,
+                             part=item["content"][0])
+                + self.event("response.output_item.done", output_index=0, item=item)
+                + self.event(done, response=self.response(status, final)))
+
+    def failed(self, status: int, message: str) -> bytes:
+        body = self.response("failed")
+        body["error"] = {"code": "server_error" if status >= 500 else "invalid_request", "message": message}
+        return self.event("response.failed", response=body)

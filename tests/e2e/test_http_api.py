@@ -334,3 +334,37 @@ def test_n_choices_through_the_openai_sdk(client, base):
     assert usage.completion_tokens >= 2
     # the slots are free again
     assert all(not s["is_processing"] for s in httpx.get(base + "/slots").json())
+
+
+def test_the_responses_api_through_the_openai_sdk(client, base):
+    from openai.types.responses import Response as SdkResponse
+
+    r = client.responses.create(model="synthetic.gguf", input="Say something.", instructions="Be brief.",
+                                max_output_tokens=6, temperature=0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output_text and r.usage.output_tokens == 6 and r.usage.input_tokens > 0
+    # the raw body validates as the SDK's own model
+    raw = httpx.post(base + "/v1/responses", json={"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "Say something."}]}], "instructions": "Be brief.", "max_output_tokens": 6,
+        "temperature": 0}, timeout=60).json()
+    SdkResponse.model_validate(raw)
+    assert raw["output"][0]["content"][0]["text"] == r.output_text  # the same prompt both ways
+    # streamed: typed events, in order, whose deltas make the final text
+    events = list(client.responses.create(model="synthetic.gguf", input="Say something.", instructions="Be brief.",
+                                          max_output_tokens=6, temperature=0, stream=True))
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text
+    # a JSON schema through text.format
+    schema = {"type": "object", "properties": {"w": {"enum": ["a", "b"]}}, "required": ["w"], "additionalProperties": False}
+    r = client.responses.create(model="synthetic.gguf", input="json", max_output_tokens=32,
+                                text={"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}})
+    assert r.status == "completed" and json.loads(r.output_text)["w"] in ("a", "b")
+    for bad in ({"input": "x", "previous_response_id": "resp_1"}, {"input": "x", "tools": [{"type": "web_search"}]},
+                {"input": [{"type": "image", "url": "x"}]}, {"input": "x", "max_output_tokens": 0}):
+        assert httpx.post(base + "/v1/responses", json=bad, timeout=60).status_code == 400, bad
