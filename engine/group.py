@@ -291,45 +291,24 @@ class PipelineGroup:
         return order_entries(entries)
 
     def _step(self) -> None:
+        """One step in four phases on this thread: plan the batch, execute it, sample its
+        rows, post-process (detokenise, stop strings, finish) and send."""
         prof = self.prof
         t0 = time.perf_counter()
         entries = self._plan()
-        b = self.batch
-        b.clear()
-        rows: list[Slot] = []  # slots sampled this step, in the batch order of their logits
-        row_idx: list[int] = []  # batch index of each row's output token
-        for e in entries:
-            i0 = b.add(e.tokens, e.pos0, e.seq_id, e.out)
-            if e.out:
-                rows.append(e.slot)
-                row_idx.append(i0 + len(e.tokens) - 1)
-        n_out = len(rows)
-        n_tokens = b.n_tokens
+        rows, row_idx = self._fill_batch(entries)
+        n_out, n_tokens = len(rows), self.batch.n_tokens
         n_ubatches = count_ubatches(entries, self.ctx.n_ubatch, self.config.kv_unified)
         t1 = time.perf_counter()
         prof.add("batch", t1 - t0)
-        c1 = time.thread_time()
-        self.decode_since = time.monotonic()
-        try:
-            self.ctx.decode(b)
-        except NativeError as e:
-            self.decode_since = 0.0
-            self._fail_batch([en.slot for en in entries], str(e))
-            if e.rc < 0:
-                # a compute failure (e.g. the RPC stage went away): the context cannot be
-                # trusted any more; the group stops and the engine reports itself unhealthy
-                raise
+        if not self._execute(entries):
             return
-        self.decode_since = 0.0
         t2 = time.perf_counter()
-        prof.add("decode", t2 - t1)
-        # CPU time of this thread in decode: the local stage's compute when it runs on the CPU
-        prof.add("decode_cpu", time.thread_time() - c1)
         backend = self.config.backend_sampling
         logits = self.ctx.logits(n_out, self.n_vocab) if rows and not backend else None
         t3 = time.perf_counter()
         prof.add("sync", t3 - t2)
-        for e in entries:
+        for e in entries:  # the KV now holds the entries' tokens
             s = e.slot
             s.cache_tokens.extend(e.tokens)
             if s.state is SlotState.PROMPT:
@@ -345,17 +324,47 @@ class PipelineGroup:
             tokens = self._sample(rows, logits)
         t4 = time.perf_counter()
         prof.add("sample", t4 - t3)
-        outs: list[Output] = []
-        for s, tok in zip(rows, tokens, strict=True):
-            o = self._process(s, tok)
-            if o is not None:
-                outs.append(o)
+        outs = [o for s, tok in zip(rows, tokens, strict=True) if (o := self._process(s, tok)) is not None]
         t5 = time.perf_counter()
         if outs:
             self.sink(outs)
         prof.add("send", time.perf_counter() - t5)
         n_busy = len(self.active) + sum(1 for o in outs if o.finish_reason)
         prof.end_step(len(rows), n_tokens, n_busy, sum(len(s.cache_tokens) for s in self.slots), n_ubatches)
+
+    def _fill_batch(self, entries: list[Entry]) -> tuple[list[Slot], list[int]]:
+        """The batch of this step's entries; returns the slots sampled this step, in the batch
+        order of their logits, and the batch index of each one's output token."""
+        b = self.batch
+        b.clear()
+        rows: list[Slot] = []
+        row_idx: list[int] = []
+        for e in entries:
+            i0 = b.add(e.tokens, e.pos0, e.seq_id, e.out)
+            if e.out:
+                rows.append(e.slot)
+                row_idx.append(i0 + len(e.tokens) - 1)
+        return rows, row_idx
+
+    def _execute(self, entries: list[Entry]) -> bool:
+        """Decode the batch; False when it failed (its requests have ended with an error)."""
+        t1, c1 = time.perf_counter(), time.thread_time()
+        self.decode_since = time.monotonic()
+        try:
+            self.ctx.decode(self.batch)
+        except NativeError as e:
+            self.decode_since = 0.0
+            self._fail_batch([en.slot for en in entries], str(e))
+            if e.rc < 0:
+                # a compute failure (e.g. the RPC stage went away): the context cannot be
+                # trusted any more; the group stops and the engine reports itself unhealthy
+                raise
+            return False
+        self.decode_since = 0.0
+        self.prof.add("decode", time.perf_counter() - t1)
+        # CPU time of this thread in decode: the local stage's compute when it runs on the CPU
+        self.prof.add("decode_cpu", time.thread_time() - c1)
+        return True
 
     def _fork(self, rows: list[Slot], row_idx: list[int]) -> list[int] | None:
         """Leaders whose prompt is now in the KV hand it to their followers: each follower's
