@@ -2,7 +2,8 @@
 
 A head node carries the ``stage_local`` resource (engine and ingress), a second raylet
 joins it with ``stage_peer`` (the RPC stage). Both are started with the venv's ``ray``
-and stopped together.
+and stopped together. With ``pairs`` > 1, each further pair adds one raylet of each kind
+(four raylets for two pairs), as two more machines would.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def _run(args: list[str], env: dict[str, str] | None = None) -> None:
     subprocess.run(args, check=True, env=env or dict(os.environ), stdout=subprocess.DEVNULL)
 
 
-def start(port: int = DEFAULT_PORT, head_cpus: int = 4, peer_cpus: int = 2) -> str:
-    """Start the head and the peer raylet; returns the cluster address."""
+def start(port: int = DEFAULT_PORT, head_cpus: int = 4, peer_cpus: int = 2, pairs: int = 1) -> str:
+    """Start the head and the peer raylet (and a local and a peer raylet per further pair);
+    returns the cluster address."""
     ray = _ray_bin()
     address = f"127.0.0.1:{port}"
     common = ["--disable-usage-stats", "--object-store-memory", str(300 * 1024 * 1024)]
@@ -57,8 +59,12 @@ def start(port: int = DEFAULT_PORT, head_cpus: int = 4, peer_cpus: int = 2) -> s
          "--resources=" + json.dumps({"stage_peer": 1}), *common],
         env=env,
     )
+    for _ in range(pairs - 1):
+        for resource, cpus in (("stage_local", head_cpus // 2), ("stage_peer", peer_cpus)):
+            _run([ray, "start", f"--address={address}", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}",
+                  "--resources=" + json.dumps({resource: 1}), *common], env=env)
     os.environ.update({k: v for k, v in env.items() if k.startswith("RAY_AUTH")})
-    _wait_nodes(address, 2)
+    _wait_nodes(address, 2 * pairs)
     return address
 
 
@@ -77,14 +83,14 @@ def _wait_nodes(address: str, n: int, timeout_s: float = 60.0) -> None:
 
 
 @contextlib.contextmanager
-def serve_session(port: int, http_port: int, head_cpus: int = 8, peer_cpus: int = 2) -> Iterator[str]:
+def serve_session(port: int, http_port: int, head_cpus: int = 8, peer_cpus: int = 2, pairs: int = 1) -> Iterator[str]:
     """The two-node cluster with this process as its driver and Serve's HTTP proxy on
     ``http_port`` (the tests and the benchmark); everything is stopped after."""
     import ray
     from ray import serve
 
     stop()
-    address = start(port=port, head_cpus=head_cpus, peer_cpus=peer_cpus)
+    address = start(port=port, head_cpus=head_cpus, peer_cpus=peer_cpus, pairs=pairs)
     ray.init(address=address, namespace="pipeline-groups", log_to_driver=False, logging_level=logging.WARNING)
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     try:

@@ -47,8 +47,11 @@ def port_listening(port: int) -> bool:
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class RpcStage:
-    def __init__(self, host: str, port: int, threads: int, devices: list[str] | None, cache_dir: str | None,
+    def __init__(self, host: str | None, port: int, threads: int, devices: list[str] | None, cache_dir: str | None,
                  cpus: list[int] | None = None):
+        # a pair's stage: its own node's address, and a free port (two stages may share a machine)
+        host = host or ray.util.get_node_ip_address()
+        port = port or _free_port(host)
         self.host, self.port = host, port
         self._settings = _settings(host, port, threads, devices, cache_dir, cpus)
         self.threads = threads or (os.cpu_count() or 1)
@@ -87,6 +90,9 @@ class RpcStage:
             self.restarts += 1
             time.sleep(backoff)
             self._spawn()
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
@@ -131,6 +137,14 @@ class RpcStage:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -190,6 +204,26 @@ def start_stage(rpc: Any, peer_resource: str | None, local_resource: str) -> str
     endpoint = ray.get(stage.ready.remote(rpc.start_timeout_s), timeout=rpc.start_timeout_s + 30)
     log.info("RPC stage ready at %s", endpoint)
     return endpoint
+
+
+def start_pair_stage(rpc: Any, replica: str, peer_resource: str) -> tuple[Any, str]:
+    """The stage of one pair, started by its engine replica: named after the replica, owned
+    by it (it dies with it), placed in the replica's placement group's second bundle (the
+    peer node) when Serve gave it one. Returns the actor and its endpoint once it accepts."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    opts: dict[str, Any] = {"name": f"{STAGE_NAME}-{replica}", "namespace": NAMESPACE, "max_restarts": 0}
+    pg = ray.util.get_current_placement_group()
+    if pg is not None and len(pg.bundle_specs) > 1:
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1)
+        if pg.bundle_specs[1].get(peer_resource):
+            opts["resources"] = {peer_resource: 0.01}
+    elif ray.cluster_resources().get(peer_resource, 0) > 0:
+        opts["resources"] = {peer_resource: 0.01}
+    stage = RpcStage.options(**opts).remote(None, 0, rpc.threads, rpc.devices, rpc.cache_dir, rpc.cpus)
+    endpoint = ray.get(stage.ready.remote(rpc.start_timeout_s), timeout=rpc.start_timeout_s + 30)
+    log.info("pair stage of replica %s ready at %s", replica, endpoint)
+    return stage, endpoint
 
 
 def stop_stage(stage: Any | None = None, timeout_s: float = 30.0) -> None:

@@ -36,11 +36,15 @@ def drain_and_shutdown(address: str, drain_s: float) -> None:
         except Exception as e:  # Serve is not running: nothing to drain
             log.info("no Serve instance to drain: %s", e)
             return
+        from deployments.router import known_replicas
+
         pending = []
         for name, app in apps.items():
             if "engine" in app.deployments:
                 handle = serve.get_deployment_handle("engine", app_name=name)
-                pending.append((name, handle.drain.remote(drain_s)))
+                handle.info.remote().result(timeout_s=10)  # the router learns every replica (pair)
+                for replica in known_replicas("engine") or [None]:
+                    pending.append((name, handle.drain.remote(drain_s, replica=replica)))
         for name, resp in pending:
             try:
                 cut = resp.result(timeout_s=drain_s + 15)
@@ -52,6 +56,24 @@ def drain_and_shutdown(address: str, drain_s: float) -> None:
         log.info("Serve shut down in %.1f s", time.monotonic() - t0)
     finally:
         ray.shutdown()
+
+
+def pairs_in(config: str) -> int:
+    """How many pairs a config asks for: its engine deployment's replicas when its stages are
+    per replica (the local cluster gets a local and a peer raylet for each)."""
+    import yaml
+
+    most = 1
+    for app in yaml.safe_load(Path(config).read_text()).get("applications", []):
+        args = app.get("args") or {}
+        if not (args.get("rpc") or {}).get("per_replica"):
+            continue
+        most = max(most, int(args.get("replicas") or 1))
+        for d in app.get("deployments", []):
+            if d.get("name") == "engine":
+                auto = d.get("autoscaling_config") or {}
+                most = max(most, int(d.get("num_replicas") or auto.get("max_replicas") or 1))
+    return most
 
 
 def _default_sigint() -> None:
@@ -70,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     started = a.address is None
     if started:
         local_cluster.stop()
-        address = local_cluster.start()
+        address = local_cluster.start(pairs=pairs_in(a.config))
     else:
         address = a.address
     env = local_cluster.auth_env()

@@ -68,6 +68,13 @@ class RpcArgs(BaseModel):
         "reaches the port can run code on the stage, so keep it on a private link.",
     )
     start_timeout_s: float = Field(default=300.0, gt=0, description="How long to wait for the stage to accept connections.")
+    per_replica: bool = Field(
+        default=False,
+        description="Pairs: every engine replica starts its own stage, placed with it by Serve (its "
+        "engine on a 'stage_local' node, its stage on its own 'stage_peer' node); scale out with the "
+        "engine deployment's num_replicas or autoscaling_config. The stage binds its node's address "
+        "and a free port (host and port are not used).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RpcArgs:
@@ -96,11 +103,23 @@ class AppArgs(EngineConfig):
         description="A decode step that waits this long on the RPC stage (a frozen peer) fails the "
         "requests in flight with 503 and restarts the engine replica; well above the slowest step.",
     )
+    replicas: int = Field(
+        default=1, ge=1, le=256,
+        description="Engine replicas: with rpc.per_replica, pairs of nodes. A Serve config's "
+        "deployments entry for 'engine' (num_replicas, autoscaling_config) overrides it.",
+    )
     placement: bool = Field(
         default=True,
         description="Place the engine on the node with the 'stage_local' resource and the RPC stage "
         "on the node with 'stage_peer' when the cluster has them.",
     )
+
+    @model_validator(mode="after")
+    def _one_stage_one_engine(self) -> AppArgs:
+        if self.replicas > 1 and self.rpc is not None and self.rpc.enabled and not self.rpc.per_replica:
+            raise ValueError("replicas > 1 with one RPC stage: a ggml RPC server serves one engine at a time; "
+                             "set rpc.per_replica: true (a stage per engine replica, i.e. pairs)")
+        return self
 
     def engine_config(self, stage_endpoints: list[str]) -> EngineConfig:
         """The engine's part, with the started stage's endpoint after any given ones."""
@@ -129,16 +148,30 @@ def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
     a = AppArgs.model_validate(args or {})
     _ensure_model(a.model)
     endpoints: list[str] = []
-    if a.rpc is not None and a.rpc.enabled:
+    pairs = a.rpc is not None and a.rpc.enabled and a.rpc.per_replica
+    if a.rpc is not None and a.rpc.enabled and not pairs:
         from cluster.rpc_stage import start_stage
 
         endpoints = [start_stage(a.rpc, PEER_RESOURCE if a.placement else None, LOCAL_RESOURCE)]
-    cfg = a.engine_config(endpoints)  # validates the combination before anything is deployed
+    # validated before anything is deployed, a pair's stage standing in by a placeholder: each
+    # engine replica adds its own stage's endpoint
+    cfg = a.engine_config([*endpoints, *(["127.0.0.1:1"] if pairs else [])])
+    if pairs:
+        cfg = cfg.model_copy(update={"rpc_endpoints": list(a.rpc_endpoints)})
     actor_opts: dict[str, Any] = {"num_cpus": 0}
-    if a.placement and _has_resource(LOCAL_RESOURCE):
-        actor_opts["resources"] = {LOCAL_RESOURCE: 0.01}
-    engine = EngineDeployment.options(ray_actor_options=actor_opts).bind(
-        cfg.model_dump(), stage_timeout_s=a.stage_timeout_s
+    engine_opts: dict[str, Any] = {}
+    if pairs and a.placement and _has_resource(LOCAL_RESOURCE) and _has_resource(PEER_RESOURCE):
+        # one placement group per replica: the engine on a local node, its stage on a peer node
+        engine_opts = {"placement_group_bundles": [{LOCAL_RESOURCE: 1}, {PEER_RESOURCE: 1}],
+                       "placement_group_strategy": "STRICT_SPREAD"}
+        engine_actor = {"num_cpus": 0, "resources": {LOCAL_RESOURCE: 1}}
+    else:
+        if a.placement and _has_resource(LOCAL_RESOURCE):
+            actor_opts["resources"] = {LOCAL_RESOURCE: 0.01}
+        engine_actor = dict(actor_opts)
+    engine = EngineDeployment.options(ray_actor_options=engine_actor, num_replicas=a.replicas, **engine_opts).bind(
+        cfg.model_dump(), stage_timeout_s=a.stage_timeout_s,
+        pair_stage=a.rpc.model_dump() if pairs else None,
     )
     names = [a.model_alias or Path(a.model).name]
     if a.model_alias:

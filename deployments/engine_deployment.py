@@ -17,7 +17,9 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import ray
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from deployments.protocol import (
     ApiError,
@@ -97,12 +99,25 @@ _CLOSE = object()  # ends an output stream
     health_check_period_s=2,
     health_check_timeout_s=30,
     graceful_shutdown_timeout_s=30,
+    # pairs: prefix affinity and load across replicas, calls that name a replica go to it
+    request_router_config=RequestRouterConfig(request_router_class="deployments.router:PairRouter",
+                                              request_routing_stats_period_s=1.0),
 )
 class EngineDeployment:
     async def __init__(self, config: dict[str, Any], stage_wait_s: float = 300.0,
-                       stage_timeout_s: float | None = 60.0) -> None:
+                       stage_timeout_s: float | None = 60.0, pair_stage: dict[str, Any] | None = None) -> None:
+        """``pair_stage`` (the app's ``rpc`` settings): this replica starts its own stage."""
         for name in ("engine", "deployments", "observability"):
             logging.getLogger(name).setLevel(logging.INFO)
+        self._replica = _replica_tag()
+        self._stage = None  # a pair's own stage actor; None: the app's shared one
+        if pair_stage is not None:
+            from cluster.rpc_stage import start_pair_stage
+            from deployments.app import PEER_RESOURCE, RpcArgs
+
+            self._stage, endpoint = await asyncio.to_thread(
+                start_pair_stage, RpcArgs.model_validate(pair_stage), self._replica, PEER_RESOURCE)
+            config = {**config, "rpc_endpoints": [*config.get("rpc_endpoints", []), endpoint]}
         self.config = EngineConfig.model_validate(config)
         self.loop = asyncio.get_running_loop()
         self._owner: dict[str, _Conn] = {}  # request id -> the stream its outputs go to
@@ -113,7 +128,6 @@ class EngineDeployment:
             await self._wait_for_stage(ep, stage_wait_s)
         self.engine: Engine = await asyncio.to_thread(Engine, self.config, self._sink_from_thread)
         self.model_name = self.engine.model_name
-        self._replica = _replica_tag()
         self.metrics = EngineMetrics(self.model_name, self._replica)
         self.metrics.set_stage_up(True)
         self._last_busy: tuple[float, float, float | None] | None = None
@@ -187,11 +201,14 @@ class EngineDeployment:
         for conn, items in per_conn.items():
             conn.queue.put_nowait(items)
 
-    async def outputs(self, ingress_id: str, conn_id: str):
+    async def outputs(self, ingress_id: str, conn_id: str, replica: str | None = None):
         """One ingress replica's output stream: first ``{"connected": replica}`` (or
-        ``{"refused": why}`` from a replica that is stopping, and the end), then lists
-        of outputs (as tuples) of the requests it submitted on this connection. When the
-        stream ends, only this connection's requests are cancelled."""
+        ``{"refused": why}`` from a replica that is stopping or is not the one asked for, and
+        the end), then lists of outputs (as tuples) of the requests it submitted on this
+        connection. When the stream ends, only this connection's requests are cancelled."""
+        if replica is not None and replica != self._replica:
+            yield {"refused": f"replica {replica} is gone"}  # the router's fallback for a dead target
+            return
         if self._failed is not None or self._draining:
             yield {"refused": self._failed or SHUTTING_DOWN}  # the ingress retries later
             return
@@ -218,7 +235,7 @@ class EngineDeployment:
                 self.engine.cancel(rid)
             conn.requests.clear()
 
-    async def close_stream(self, conn_id: str) -> bool:
+    async def close_stream(self, conn_id: str, replica: str | None = None) -> bool:
         """End one output stream (its ingress replica is stopping); its requests are cancelled."""
         conn = self._conns.get(conn_id)
         if conn is not None:
@@ -227,10 +244,13 @@ class EngineDeployment:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    async def submit(self, conn_id: str, request_id: str, req: ApiRequest) -> dict | ApiError:
+    async def submit(self, conns: dict[str, str] | str, request_id: str, req: ApiRequest,
+                     route: dict | None = None) -> dict | ApiError:
         """Tokenise and queue one request the ingress has validated; returns its prompt size
         (and what the ingress needs to shape its answer) or an error. The chat template and
         the tokenizer run off the event loop that delivers every stream's tokens."""
+        # the ingress's output stream to each replica it holds one to; ``route`` is the router's
+        conn_id = conns.get(self._replica, "") if isinstance(conns, dict) else conns
         if self._failed is not None:
             return ApiError(503, self._failed)
         if self._draining:
@@ -258,7 +278,8 @@ class EngineDeployment:
                 self.metrics.rejected()
                 return ApiError(429, str(e))
             return ApiError(503, str(e))
-        return {"prompt_tokens": len(r.prompt_tokens), "n_predict": r.n_predict, **extra}
+        return {"prompt_tokens": len(r.prompt_tokens), "n_predict": r.n_predict, "replica": self._replica,
+                "conn": conn_id, **extra}
 
     def _prepare(self, request_id: str, req: ApiRequest) -> tuple[Request, dict[str, Any]]:
         """The engine request, and for the ingress: the echoed prompt, the tool-call parser's
@@ -333,7 +354,7 @@ class EngineDeployment:
             "devices": self.engine.devices,
         }
 
-    async def drain(self, grace_s: float) -> dict:
+    async def drain(self, grace_s: float, replica: str | None = None) -> dict:
         """Stop taking requests; give running ones ``grace_s`` to finish, then end the rest
         with a shutting-down error. Called before a shutdown so that it is quick."""
         self._draining = True
@@ -363,8 +384,8 @@ class EngineDeployment:
         # OpenAI's meaning of a missing max_tokens: until the slot's context is full
         return self.engine.n_ctx_slot
 
-    async def cancel(self, request_id: str, n: int = 1) -> bool:
-        """Cancel a request and its other choices."""
+    async def cancel(self, request_id: str, n: int = 1, replica: str | None = None) -> bool:
+        """Cancel a request and its other choices (``replica``: routing only)."""
         hit = self.engine.cancel(request_id)  # a family still waiting goes whole
         for i in range(1, n):
             hit = self.engine.cancel(f"{request_id}#{i}") or hit
@@ -372,8 +393,9 @@ class EngineDeployment:
 
     # ---- state ------------------------------------------------------------------------------
 
-    async def info(self) -> dict:
+    async def info(self, replica: str | None = None) -> dict:
         return {
+            "node": ray.get_runtime_context().get_node_id(),
             "model": self.model_name,
             "n_ctx_slot": self.engine.n_ctx_slot,
             "n_parallel": self.config.n_parallel,
@@ -384,7 +406,7 @@ class EngineDeployment:
             "replica": self._replica,
         }
 
-    async def slots(self) -> list[dict]:
+    async def slots(self, replica: str | None = None) -> list[dict]:
         return [
             {
                 "id": v.id,
@@ -394,11 +416,13 @@ class EngineDeployment:
                 "is_processing": v.state != "idle",
                 "n_cached_tokens": v.n_cached,
                 "id_task": v.request_id,
+                "replica": self._replica,
             }
             for v in self.engine.slot_views()
         ]
 
-    async def slot_action(self, slot_id: int, action: str, filename: str | None) -> dict | ApiError:
+    async def slot_action(self, slot_id: int, action: str, filename: str | None,
+                          replica: str | None = None) -> dict | ApiError:
         try:
             return await asyncio.to_thread(self.engine.slot_action, slot_id, action, filename)
         except RequestError as e:
@@ -412,7 +436,7 @@ class EngineDeployment:
         except RuntimeError as e:  # the group failed the action (e.g. a corrupt slot file)
             return ApiError(500, str(e))
 
-    async def metrics_text(self) -> bytes:
+    async def metrics_text(self, replica: str | None = None) -> bytes:
         running, waiting = self.engine.scheduler.counts()
         self.metrics.collect_engine(self.engine, running, waiting)
         await self._collect_stages()
@@ -441,13 +465,18 @@ class EngineDeployment:
         from cluster.rpc_stage import get_stage
 
         try:
-            stage = get_stage()
+            stage = self._stage or get_stage()
         except ValueError:
             return {"missing": True, "accepting": False, "cpu_seconds": 0.0, "threads": 1}
         try:
             return await asyncio.wait_for(stage.health.remote(), timeout=2.0)
         except Exception:
             return {"accepting": False, "cpu_seconds": 0.0, "threads": 1, "endpoint": ""}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What the router weighs replicas by (Serve polls it)."""
+        running, waiting = self.engine.scheduler.counts()
+        return {"running": running, "waiting": waiting, "slots": self.config.n_parallel}
 
     def check_health(self) -> None:
         if self._failed is not None:

@@ -41,6 +41,7 @@ from deployments.protocol import (
     llama_final,
     now,
 )
+from deployments.router import known_replicas, prefix_hashes, routing_text
 from deployments.shaping import (
     Choice,
     ResponsesShaper,
@@ -50,6 +51,7 @@ from deployments.shaping import (
     total_usage,
 )
 from engine.types import SHUTTING_DOWN, FinishReason, Output
+from observability.metrics import merge_exposition
 from observability.process import rss_bytes
 
 log = logging.getLogger(__name__)
@@ -177,11 +179,13 @@ class _Pending:
     """A request waiting for outputs: its queue (every choice's outputs) and the output
     stream it came by."""
 
-    __slots__ = ("queue", "conn", "finished", "echo", "n")
+    __slots__ = ("rid", "queue", "conn", "replica", "finished", "echo", "n")
 
-    def __init__(self, conn: str, n: int = 1) -> None:
+    def __init__(self, rid: str, n: int = 1) -> None:
+        self.rid = rid
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.conn = conn
+        self.conn: str | None = None  # set once an engine replica took it
+        self.replica: str | None = None
         self.finished = False
         self.echo: str | None = None
         self.n = n  # choices
@@ -207,30 +211,59 @@ class Ingress:
         self.connect_timeout_s = connect_timeout_s
         self.ingress_id = uuid.uuid4().hex
         self._pending: dict[str, _Pending] = {}
-        self._pump_task: asyncio.Task | None = None
-        self._conn: str | None = None  # the output stream requests are submitted on
-        self._connected = asyncio.Event()
+        self._discover_task: asyncio.Task | None = None
+        self._pumps: dict[str | None, asyncio.Task] = {}  # by the replica asked for (None: any)
+        self._streams: dict[str, str] = {}  # engine replica id -> the output stream's connection id
+        self._connected = asyncio.Event()  # at least one output stream is up
 
-    # ---- the output stream from the engine ----------------------------------------------------
+    # ---- the output streams from the engine replicas -----------------------------------------
+
+    @property
+    def _deployment(self) -> str:
+        return getattr(self.engine, "deployment_name", "engine")
 
     def _ensure_pump(self) -> None:
-        if self._pump_task is None or self._pump_task.done():
-            self._pump_task = _detached(self._pump())
+        if self._discover_task is None or self._discover_task.done():
+            self._discover_task = _detached(self._discover())
 
-    async def _pump(self) -> None:
-        """Hold one output stream from the engine, with a fresh connection id each time it is
-        opened. When a stream ends, only the requests submitted on it fail (503, retry)."""
+    async def _discover(self) -> None:
+        """One output stream per engine replica (pair) that the router knows of; before it
+        knows any, one stream to whichever replica Serve picks."""
+        try:  # a first call makes the handle's router, which then learns the replicas
+            await asyncio.wait_for(self.engine.info.remote(), self.connect_timeout_s)
+        except Exception as e:  # no replica yet: the streams wait for one
+            log.info("engine not answering yet: %s", e)
+        while True:
+            known = known_replicas(self._deployment)
+            if not known:  # a handle without the pair router (or no replica yet): one stream to any
+                if None not in self._pumps or self._pumps[None].done():
+                    self._pumps[None] = _detached(self._pump(None))
+            else:
+                for rid in known - set(self._streams):
+                    if rid not in self._pumps or self._pumps[rid].done():
+                        self._pumps[rid] = _detached(self._pump(rid))
+                for rid in [r for r in self._pumps if r is not None and r not in known]:
+                    self._pumps.pop(rid).cancel()
+            await asyncio.sleep(1.0 if self._streams else 0.2)
+
+    async def _pump(self, target: str | None) -> None:
+        """Hold one output stream from an engine replica, with a fresh connection id each time
+        it is opened. When a stream ends, only the requests submitted on it fail (503, retry)."""
         backoff = 0.2
         while True:
-            conn = uuid.uuid4().hex
+            known = known_replicas(self._deployment)
+            if (target is None and known) or (target is not None and known and target not in known):
+                return  # the streams per replica take over; or this replica is gone
+            conn, replica = uuid.uuid4().hex, None
             try:
-                gen = self.engine.options(stream=True).outputs.remote(self.ingress_id, conn)
+                gen = self.engine.options(stream=True).outputs.remote(self.ingress_id, conn, replica=target)
                 async for batch in gen:
                     if isinstance(batch, dict):
-                        if "refused" in batch:  # a replica that is stopping; Serve replaces it
+                        if "refused" in batch:  # stopping, or not the replica asked for
                             log.info("engine replica refused the output stream: %s", batch["refused"])
                             break
-                        self._conn = conn  # the engine replica registered this stream
+                        replica = batch["connected"]  # the engine replica registered this stream
+                        self._streams[replica] = conn
                         self._connected.set()
                         backoff = 0.2
                         continue
@@ -245,17 +278,23 @@ class Ingress:
             except Exception as e:  # the engine replica died or is being replaced
                 log.warning("output stream %s from the engine ended: %s", conn[:8], e)
             finally:
-                if self._conn == conn:
-                    self._conn = None
+                if replica is not None and self._streams.get(replica) == conn:
+                    del self._streams[replica]
+                if not self._streams:
                     self._connected.clear()
-            lost = [(rid, p) for rid, p in self._pending.items() if p.conn == conn]
-            for rid, p in lost:
-                p.queue.put_nowait(Output(rid, "", 0, FinishReason.ERROR, error="the engine replica restarted; retry the request",
-                                          status=503))
+            self._fail_stream(conn)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
 
-    async def _connection(self) -> str:
+    def _fail_stream(self, conn: str) -> None:
+        lost = {id(p): p for p in self._pending.values() if p.conn == conn}
+        for p in lost.values():
+            for m in member_ids(p.rid, p.n):
+                p.queue.put_nowait(Output(m, "", 0, FinishReason.ERROR, error="the engine replica restarted; retry the request",
+                                          status=503))
+
+    async def _connection(self) -> dict[str, str]:
+        """The output streams requests can be submitted on, by engine replica."""
         self._ensure_pump()
         if not self._connected.is_set():
             try:
@@ -263,23 +302,24 @@ class Ingress:
             except TimeoutError:
                 raise HTTPError(503, "the engine is not available (starting or restarting); retry",
                                 headers={"Retry-After": "2"}) from None
-        assert self._conn is not None
-        return self._conn
+        return dict(self._streams)
 
     def tables(self) -> dict:
         """Sizes of the per-request tables (a leak shows here)."""
-        return {"pending": len(self._pending), "connected": self._connected.is_set(), "rss_bytes": rss_bytes(os.getpid())}
+        return {"pending": len(self._pending), "connected": self._connected.is_set(), "rss_bytes": rss_bytes(os.getpid()),
+                "streams": dict(self._streams), "known": sorted(known_replicas(self._deployment))}
 
     async def __del__(self) -> None:
         """Serve's destructor: end this replica's output stream at the engine, whose graceful
         shutdown otherwise waits out its timeout on it (a caller that goes away does not end a
         streaming call there)."""
-        conn = self._conn
-        if self._pump_task is not None:
-            self._pump_task.cancel()
-        if conn is not None:
+        streams = dict(self._streams)
+        for t in [self._discover_task, *self._pumps.values()]:
+            if t is not None:
+                t.cancel()
+        for replica, conn in streams.items():
             try:
-                await asyncio.wait_for(self.engine.close_stream.remote(conn), 5.0)
+                await asyncio.wait_for(self.engine.close_stream.remote(conn, replica=replica), 5.0)
             except Exception:  # the engine is gone or going: nothing holds it
                 pass
 
@@ -345,14 +385,15 @@ class Ingress:
             raise HTTPError(400, str(e)) from None
         self._check_model(req.model)
         api_req, req = req, (req.to_chat() if isinstance(req, ResponsesRequest) else req)  # what the engine runs
-        conn = await self._connection()
+        conns = await self._connection()
         rid = {"chat": "chatcmpl-", "responses": "resp_"}.get(kind, "cmpl-") + uuid.uuid4().hex
-        p = _Pending(conn, req.n)
+        p = _Pending(rid, req.n)
         ids = member_ids(rid, req.n)
         for m in ids:
             self._pending[m] = p
+        route = {"replicas": list(conns), "prefix": await _sized(len(raw), prefix_hashes, routing_text(req))}
         try:
-            res = await self.engine.submit.remote(conn, rid, req)
+            res = await self.engine.submit.remote(conns, rid, req, route=route)
         except BaseException:
             for m in ids:
                 self._pending.pop(m, None)
@@ -362,8 +403,17 @@ class Ingress:
                 self._pending.pop(m, None)
             headers = {"Retry-After": "1"} if res.status in (429, 503) else None
             return err_response(res.status, res.message, headers=headers)
-        model = self.model_names[0]
+        p.conn, p.replica = res["conn"], res["replica"]
+        if p.conn not in self._streams.values():  # its stream ended while it was submitted
+            self._fail_stream(p.conn)
         p.echo = res.get("echo")  # completions' echo: the prompt's text comes first
+        resp = await self._answer(kind, rid, p, api_req, req, res)
+        resp.headers["x-engine-replica"] = p.replica  # which engine replica (pair) served it
+        return resp
+
+    async def _answer(self, kind: str, rid: str, p: _Pending, api_req: Any, req: Any, res: dict) -> Response:
+        """The answer, in the shape of the route, streamed or whole."""
+        model = self.model_names[0]
         if kind == "llama":
             want_tokens = bool(getattr(req, "return_tokens", False))
             if req.stream:
@@ -390,11 +440,11 @@ class Ingress:
         for m in member_ids(rid, p.n):
             self._pending.pop(m, None)
         if not p.finished:
-            _detached(self._cancel(rid, p.n))
+            _detached(self._cancel(rid, p.n, p.replica))
 
-    async def _cancel(self, rid: str, n: int = 1) -> None:
+    async def _cancel(self, rid: str, n: int = 1, replica: str | None = None) -> None:
         try:
-            await self.engine.cancel.remote(rid, n)
+            await self.engine.cancel.remote(rid, n, replica=replica)
         except Exception:  # the engine is gone; nothing to cancel
             pass
 
@@ -581,7 +631,7 @@ class Ingress:
         # the ingress serves nothing while its output stream from the engine is down (the
         # engine replica died and Serve is replacing it): say so at once, even when the new
         # replica would answer info() within the timeout below
-        reconnecting = self._pump_task is not None and not self._connected.is_set()
+        reconnecting = self._discover_task is not None and not self._connected.is_set()
         self._ensure_pump()
         if reconnecting:
             return JSONResponse({"status": "reconnecting"}, status_code=503)
@@ -595,18 +645,27 @@ class Ingress:
 
     @app.get("/slots")
     async def slots(self, request: Request) -> Response:
+        """Every engine replica's slots (each names its replica)."""
         self._check_auth(request)
-        return JSONResponse(await self.engine.slots.remote())
+        return JSONResponse([s for part in await self._each_replica("slots") for s in part])
+
+    async def _each_replica(self, method: str) -> list[Any]:
+        """``method`` on every engine replica this ingress holds a stream to (else on any)."""
+        targets: list[str | None] = list(self._streams) or [None]
+        return list(await asyncio.gather(*(getattr(self.engine, method).remote(replica=r) for r in targets)))
 
     @app.post("/slots/{slot_id}")
-    async def slot_action(self, slot_id: int, request: Request, action: str = "") -> Response:
+    async def slot_action(self, slot_id: int, request: Request, action: str = "", replica: str | None = None) -> Response:
+        """``replica`` (from /slots) picks the engine replica; needed when there are several."""
         self._check_auth(request)
+        if replica is None and len(self._streams) > 1:
+            return err_response(400, f"{len(self._streams)} engine replicas: add ?replica=<id> (see /slots)", "replica")
         raw = await self._read_body(request)
         body = await self._json(request, raw) if raw else {}
         filename = body.get("filename")
         if filename is not None and not isinstance(filename, str):
             return err_response(400, "filename must be a string")
-        res = await self.engine.slot_action.remote(slot_id, action, filename)
+        res = await self.engine.slot_action.remote(slot_id, action, filename, replica=replica)
         if isinstance(res, ApiError):
             return err_response(res.status, res.message)
         return JSONResponse(res)
@@ -614,7 +673,7 @@ class Ingress:
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
         self._check_auth(request)
-        text = await self.engine.metrics_text.remote()
+        text = merge_exposition(await self._each_replica("metrics_text"))
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/openapi.json", include_in_schema=False)

@@ -159,3 +159,31 @@ class _GroupCollector:
                 phase.add_metric([*v, ph], getattr(s, ph))
             dev.add_metric(v, min(1.0, (s.decode + s.sync) / self.wall))
         yield from (slots_busy, slots, kv, steps, rows, toks, ubs, dcpu, bps, phase, dev)
+
+
+def merge_exposition(texts: list[bytes]) -> bytes:
+    """Several replicas' Prometheus text as one exposition: each metric family once (its
+    HELP and TYPE lines from the first text that has it), with every replica's samples."""
+    families: dict[str, tuple[list[bytes], list[bytes]]] = {}
+    for text in texts:
+        current = None
+        for line in text.splitlines():
+            if not line:
+                continue
+            if line.startswith((b"# HELP ", b"# TYPE ")):
+                name = line.split(b" ", 3)[2].decode()
+                meta, _ = families.setdefault(name, ([], []))
+                current = name
+                if not any(m.split(b" ", 3)[:3] == line.split(b" ", 3)[:3] for m in meta):
+                    meta.append(line)
+            elif line.startswith(b"#"):
+                continue
+            else:
+                if current is None:  # a sample before any family line: its own family
+                    current = line.split(b"{", 1)[0].split(b" ", 1)[0].decode()
+                families.setdefault(current, ([], []))[1].append(line)
+    out = []
+    for meta, samples in families.values():
+        out.extend(meta)
+        out.extend(samples)
+    return b"\n".join(out) + b"\n"

@@ -210,11 +210,11 @@ class _EngineHandle:
 
         return _Info
 
-    def remote(self, *_: Any) -> Any:
+    def remote(self, *_: Any, **__: Any) -> Any:
         async def stream() -> Any:
             await self.alive.wait()
             self.opened += 1
-            yield {"connected": True}
+            yield {"connected": "replica-1"}
             await self.ended.wait()
             raise RuntimeError("the replica died")
 
@@ -242,7 +242,7 @@ def test_ingress_health_is_503_while_its_output_stream_is_down():
         ing = object.__new__(cls)
         cls.__init__(ing, handle, ["m"])
         assert (await ing.health()).status_code == 200  # first call: starts the stream
-        assert ing._connected.is_set()  # noqa: SLF001
+        await asyncio.wait_for(ing._connected.wait(), 10)  # noqa: SLF001
         handle.drop()
         for _ in range(100):
             if not ing._connected.is_set():  # noqa: SLF001
@@ -253,6 +253,7 @@ def test_ingress_health_is_503_while_its_output_stream_is_down():
         await asyncio.wait_for(ing._connected.wait(), 10)  # noqa: SLF001
         assert handle.opened == 2
         assert (await ing.health()).status_code == 200
-        ing._pump_task.cancel()  # noqa: SLF001
+        for t in [ing._discover_task, *ing._pumps.values()]:  # noqa: SLF001
+            t.cancel()
 
     asyncio.run(main())

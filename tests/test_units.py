@@ -192,7 +192,7 @@ def test_app_args_are_the_engine_config_plus_the_deployments_keys(monkeypatch):
     assert cfg.rpc_endpoints == ["10.0.0.2:50052"]
     assert cfg.n_parallel == EngineConfig(model="m").n_parallel
     assert set(AppArgs.model_fields) - set(EngineConfig.model_fields) == {
-        "rpc", "api_key", "request_timeout_s", "max_body_bytes", "stage_timeout_s", "placement"}
+        "rpc", "api_key", "request_timeout_s", "max_body_bytes", "stage_timeout_s", "placement", "replicas"}
 
 
 def test_token_logprobs_are_a_log_softmax_with_the_top_alternatives():
@@ -206,3 +206,20 @@ def test_token_logprobs_are_a_log_softmax_with_the_top_alternatives():
     assert [t for t, _ in top] == list(np.argsort(ref)[::-1][:5])
     assert all(abs(v - ref[t]) < 1e-4 for t, v in top)
     assert token_logprobs(row, 3, 0)[1] == []
+
+
+def test_the_expositions_of_several_replicas_merge_into_one():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from observability.metrics import merge_exposition
+
+    def one(replica: str, v: int) -> bytes:
+        return (f'# HELP pg_tokens_total Tokens.\n# TYPE pg_tokens_total counter\npg_tokens_total{{replica="{replica}"}} {v}\n'
+                f'# HELP pg_up Up.\n# TYPE pg_up gauge\npg_up{{replica="{replica}"}} 1\n').encode()
+
+    merged = merge_exposition([one("a", 3), one("b", 5)]).decode()
+    assert merged.count("# TYPE pg_tokens_total") == 1 and merged.count("# HELP pg_up") == 1
+    fams = {f.name: f for f in text_string_to_metric_families(merged)}
+    assert sorted((s.labels["replica"], s.value) for s in fams["pg_tokens"].samples if s.name.endswith("_total")) == \
+        [("a", 3.0), ("b", 5.0)]
+    assert len(fams["pg_up"].samples) == 2

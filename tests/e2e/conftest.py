@@ -24,7 +24,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def ray_cluster(model_path: str) -> Iterator[str]:
     from cluster import local_cluster
 
-    with local_cluster.serve_session(RAY_PORT, HTTP_PORT) as address:
+    # four raylets: room for two pairs (tests/e2e/test_pairs.py); one-stage apps use two of them
+    with local_cluster.serve_session(RAY_PORT, HTTP_PORT, pairs=2) as address:
         yield address
 
 

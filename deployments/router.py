@@ -1,0 +1,122 @@
+"""Routing across engine replicas (pairs): a Ray Serve request router.
+
+Every call to the engine deployment goes through it, in the ingress's process:
+
+- a call that names a replica (``replica=<id>``: an output stream, a cancel, a slot
+  action) goes to that replica; when it is gone, to any (which refuses it);
+- a submit (``route={"replicas", "prefix"}``) goes to the replica, among those the ingress
+  holds an output stream to, that last took the longest prefix of this prompt, unless it is
+  busier than the least busy by more than ``imbalance`` requests; else to the less busy of
+  two (the power of two choices). Busy is the replica's running and waiting requests from
+  its routing stats plus what this router sent it since they came;
+- anything else goes to any replica.
+
+The prefix is the prompt's text cut in chunks, each chunk's hash chained to the ones before
+(``prefix_hashes``), so a hash stands for a whole prefix. The table from prefix to replica is
+this router's own (one per ingress replica), bounded, least recently used out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import random
+from collections import OrderedDict
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+log = logging.getLogger(__name__)
+
+CHUNK_CHARS = 256
+MAX_CHUNKS = 64
+TABLE_SIZE = 50_000
+
+# replica ids each router instance of this process currently knows, by deployment name: the
+# ingress opens one output stream per engine replica it learns of here
+_KNOWN: dict[str, set[str]] = {}
+
+
+def known_replicas(deployment: str) -> set[str]:
+    return set(_KNOWN.get(deployment, ()))
+
+
+def prefix_hashes(text: str | list[int]) -> list[str]:
+    """Chained hashes of the prompt's successive chunks (characters, or token ids)."""
+    out, h = [], hashlib.blake2b(digest_size=8)
+    if isinstance(text, list):
+        chunks = [json.dumps(text[i:i + CHUNK_CHARS // 4]) for i in range(0, len(text), CHUNK_CHARS // 4)]
+    else:
+        chunks = [text[i:i + CHUNK_CHARS] for i in range(0, len(text), CHUNK_CHARS)]
+    for c in chunks[:MAX_CHUNKS]:
+        h.update(c.encode("utf-8", "surrogatepass"))
+        out.append(h.copy().hexdigest())
+    return out
+
+
+def routing_text(req: Any) -> str | list[int]:
+    """What the prefix of a request is read from: a completion's prompt, a chat's messages."""
+    prompt = getattr(req, "prompt", None)
+    if prompt is not None:
+        return prompt
+    return json.dumps([[m.role, m.text()] for m in req.messages], ensure_ascii=False)
+
+
+class PairRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, imbalance: int = 8, **_: Any) -> None:
+        self.imbalance = imbalance
+        self._table: OrderedDict[str, str] = OrderedDict()  # prefix hash -> replica id
+        self._sent: dict[str, int] = {}  # requests sent since the replica's stats were read
+        self._stats_seen: dict[str, int] = {}
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        # Serve ships this class pickled by value, with its own copy of this module's globals:
+        # the registry the ingress reads is the imported module's
+        known = importlib.import_module(__name__)._KNOWN
+        known[self._deployment_id.name] = {r.replica_id.unique_id for r in replicas}
+        log.info("pair router: replicas of %s: %s", self._deployment_id.name, sorted(known[self._deployment_id.name]))
+
+    def _busy(self, r: RunningReplica) -> int:
+        rid = r.replica_id.unique_id
+        stats = r.routing_stats or {}
+        if id(stats) != self._stats_seen.get(rid):  # fresh stats count what was sent before
+            self._stats_seen[rid] = id(stats)
+            self._sent[rid] = 0
+        return int(stats.get("running", 0)) + int(stats.get("waiting", 0)) + self._sent.get(rid, 0)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if pending_request is None or not candidate_replicas:
+            return [candidate_replicas]
+        kw = pending_request.kwargs
+        target = kw.get("replica")
+        if target is not None:
+            hit = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+            return [hit] if hit else [candidate_replicas]
+        route = kw.get("route")
+        if not route:
+            return [candidate_replicas]
+        allowed = [r for r in candidate_replicas if r.replica_id.unique_id in route["replicas"]] or candidate_replicas
+        busy = {r.replica_id.unique_id: self._busy(r) for r in allowed}
+        least = min(busy.values())
+        chosen = None
+        by_id = {r.replica_id.unique_id: r for r in allowed}
+        for h in reversed(route["prefix"]):  # the longest prefix first
+            rid = self._table.get(h)
+            if rid in by_id and busy[rid] - least <= self.imbalance:
+                chosen = by_id[rid]
+                break
+        if chosen is None:
+            two = random.sample(allowed, min(2, len(allowed)))
+            chosen = min(two, key=lambda r: busy[r.replica_id.unique_id])
+        cid = chosen.replica_id.unique_id
+        self._sent[cid] = self._sent.get(cid, 0) + 1
+        for h in route["prefix"]:
+            self._table[h] = cid
+            self._table.move_to_end(h)
+        while len(self._table) > TABLE_SIZE:
+            self._table.popitem(last=False)
+        return [[chosen], [r for r in allowed if r is not chosen]]
