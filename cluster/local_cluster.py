@@ -92,7 +92,8 @@ def serve_session(port: int, http_port: int, head_cpus: int = 8, peer_cpus: int 
     stop()
     address = start(port=port, head_cpus=head_cpus, peer_cpus=peer_cpus, pairs=pairs)
     ray.init(address=address, namespace="pipeline-groups", log_to_driver=False, logging_level=logging.WARNING)
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    # one HTTP proxy, on the head: the nodes share this machine's address and the port
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port})
     try:
         yield address
     finally:

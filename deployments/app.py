@@ -149,10 +149,13 @@ def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
     _ensure_model(a.model)
     endpoints: list[str] = []
     pairs = a.rpc is not None and a.rpc.enabled and a.rpc.per_replica
-    if a.rpc is not None and a.rpc.enabled and not pairs:
-        from cluster.rpc_stage import start_stage
+    if a.rpc is not None and a.rpc.enabled:
+        from cluster.rpc_stage import start_stage, stop_stage
 
-        endpoints = [start_stage(a.rpc, PEER_RESOURCE if a.placement else None, LOCAL_RESOURCE)]
+        if pairs:  # a shared stage left by a one-pair app holds part of a peer node: free it
+            stop_stage()
+        else:
+            endpoints = [start_stage(a.rpc, PEER_RESOURCE if a.placement else None, LOCAL_RESOURCE)]
     # validated before anything is deployed, a pair's stage standing in by a placeholder: each
     # engine replica adds its own stage's endpoint
     cfg = a.engine_config([*endpoints, *(["127.0.0.1:1"] if pairs else [])])

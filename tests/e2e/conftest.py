@@ -57,7 +57,8 @@ def deploy(ray_cluster: str, model_path: str) -> Callable[[dict], str]:
             if current:
                 # the RPC stage serves one engine at a time: the old one must let go first
                 serve.delete("pgroups")
-            serve.run(build_app(args), name="pgroups", route_prefix="/")
+            # not blocking: an app that cannot be placed fails the test (below) instead of hanging the run
+            serve.run(build_app(args), name="pgroups", route_prefix="/", _blocking=False)
             current["args"] = dict(args)
         wait_healthy()
         return BASE
