@@ -30,6 +30,7 @@ from deployments.protocol import (
     TokenizeRequest,
     piece_json,
 )
+from deployments.router import STATS_PERIOD_S
 from engine import (
     Engine,
     EngineConfig,
@@ -101,7 +102,7 @@ _CLOSE = object()  # ends an output stream
     graceful_shutdown_timeout_s=30,
     # pairs: prefix affinity and load across replicas, calls that name a replica go to it
     request_router_config=RequestRouterConfig(request_router_class="deployments.router:PairRouter",
-                                              request_routing_stats_period_s=1.0),
+                                              request_routing_stats_period_s=STATS_PERIOD_S),
 )
 class EngineDeployment:
     async def __init__(self, config: dict[str, Any], stage_wait_s: float = 300.0,

@@ -18,11 +18,13 @@ this router's own (one per ingress replica), bounded, least recently used out.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import importlib
 import json
 import logging
 import random
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -30,6 +32,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 log = logging.getLogger(__name__)
 
+STATS_PERIOD_S = 1.0  # how often engine replicas report their load (RequestRouterConfig)
 CHUNK_CHARS = 256
 MAX_CHUNKS = 64
 TABLE_SIZE = 50_000
@@ -68,8 +71,7 @@ class PairRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, imbalance: int = 8, **_: Any) -> None:
         self.imbalance = imbalance
         self._table: OrderedDict[str, str] = OrderedDict()  # prefix hash -> replica id
-        self._sent: dict[str, int] = {}  # requests sent since the replica's stats were read
-        self._stats_seen: dict[str, int] = {}
+        self._sent: dict[str, collections.deque] = {}  # when requests were sent to each replica
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -80,12 +82,15 @@ class PairRouter(FIFOMixin, RequestRouter):
         log.info("pair router: replicas of %s: %s", self._deployment_id.name, sorted(known[self._deployment_id.name]))
 
     def _busy(self, r: RunningReplica) -> int:
+        """Running and waiting requests as the replica last said, plus those sent to it since
+        (those of the last stats period and a half: a few may count twice)."""
         rid = r.replica_id.unique_id
         stats = r.routing_stats or {}
-        if id(stats) != self._stats_seen.get(rid):  # fresh stats count what was sent before
-            self._stats_seen[rid] = id(stats)
-            self._sent[rid] = 0
-        return int(stats.get("running", 0)) + int(stats.get("waiting", 0)) + self._sent.get(rid, 0)
+        sent = self._sent.setdefault(rid, collections.deque())
+        horizon = time.monotonic() - 1.5 * STATS_PERIOD_S
+        while sent and sent[0] < horizon:
+            sent.popleft()
+        return int(stats.get("running", 0)) + int(stats.get("waiting", 0)) + len(sent)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -113,7 +118,7 @@ class PairRouter(FIFOMixin, RequestRouter):
             two = random.sample(allowed, min(2, len(allowed)))
             chosen = min(two, key=lambda r: busy[r.replica_id.unique_id])
         cid = chosen.replica_id.unique_id
-        self._sent[cid] = self._sent.get(cid, 0) + 1
+        self._sent.setdefault(cid, collections.deque()).append(time.monotonic())
         for h in route["prefix"]:
             self._table[h] = cid
             self._table.move_to_end(h)

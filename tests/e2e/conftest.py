@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -57,8 +58,14 @@ def deploy(ray_cluster: str, model_path: str) -> Callable[[dict], str]:
             if current:
                 # the RPC stage serves one engine at a time: the old one must let go first
                 serve.delete("pgroups")
-            # not blocking: an app that cannot be placed fails the test (below) instead of hanging the run
-            serve.run(build_app(args), name="pgroups", route_prefix="/", _blocking=False)
+            # bounded: an app that cannot be placed fails the test instead of hanging the run
+            app = build_app(args)
+            done = threading.Thread(target=serve.run, args=(app,), kwargs={"name": "pgroups", "route_prefix": "/"},
+                                    daemon=True)
+            done.start()
+            done.join(300)
+            if done.is_alive():
+                raise TimeoutError(f"the app did not start in 300 s: {serve.status().applications.get('pgroups')}")
             current["args"] = dict(args)
         wait_healthy()
         return BASE

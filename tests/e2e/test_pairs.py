@@ -115,9 +115,12 @@ def test_killing_one_pairs_stage_leaves_the_other_pairs_streams_intact(deploy):
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
-    while sum(s["is_processing"] for s in httpx.get(base + "/slots", timeout=10).json()) < 8:
-        assert time.monotonic() < deadline, "the streams did not start on both pairs"
-        time.sleep(0.1)
+    while True:  # streams running on both pairs
+        busy = collections.Counter(s["replica"] for s in httpx.get(base + "/slots", timeout=10).json() if s["is_processing"])
+        if len(busy) == 2 and min(busy.values()) >= 2:
+            break
+        assert time.monotonic() < deadline, f"the streams did not start on both pairs: {busy}"
+        time.sleep(0.05)
     victim = sorted(reps)[0]
     stage = ray.get_actor(f"{STAGE_NAME}-{victim}", namespace=NAMESPACE)
     os.kill(ray.get(stage.health.remote())["pid"], signal.SIGKILL)
@@ -126,7 +129,7 @@ def test_killing_one_pairs_stage_leaves_the_other_pairs_streams_intact(deploy):
     assert len(results) == 8, results
     others = [o for rep, o in results.values() if rep != victim]
     cut = [o for rep, o in results.values() if rep == victim]
-    assert len(others) == 4 and all(o == "completed" for o in others), results
+    assert others and all(o == "completed" for o in others), results
     assert cut and all(o != "completed" for o in cut), results
     # new requests meanwhile go to the healthy pair; the killed pair comes back by itself
     assert served_by(base, "after the kill") in reps
