@@ -64,3 +64,18 @@ def test_metrics_count_exactly_what_was_served(deploy):
     assert phases >= {"batch", "decode", "sync", "sample", "detok", "stop", "send"}
     assert total(after, "pgroups_rpc_stage_up") == 1
     assert total(after, "pgroups_num_requests_running") == 0
+
+
+def test_every_series_the_dashboard_queries_is_exported(deploy):
+    import json
+    import re
+    from pathlib import Path
+
+    base = deploy(APP)
+    httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    exported = {s.name for f in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=30).text)
+                for s in f.samples}
+    board = json.loads((Path(__file__).resolve().parents[2] / "observability/grafana/pipeline-groups.json").read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    queried = {m for e in exprs for m in re.findall(r"\bpgroups_\w+", e)}
+    assert queried and queried <= exported, sorted(queried - exported)
