@@ -83,7 +83,7 @@ model: install
 model-synthetic: install
 	$(PY) -m engine.models synthetic
 
-serve: install model
+serve: install model model-synthetic
 	$(VENV)/bin/python -m cluster.serve $(CONFIG)
 
 test: install model model-synthetic
