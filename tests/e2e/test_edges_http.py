@@ -13,6 +13,7 @@ import httpx
 import ray
 from ray import serve
 
+from tests.e2e.streams import stream_outcome
 from tests.e2e.test_http_api import APP
 
 log = logging.getLogger(__name__)
@@ -126,22 +127,6 @@ def wait_busy(base: str, n: int, timeout_s: float = 60.0) -> None:
     while sum(s["is_processing"] for s in httpx.get(base + "/slots", timeout=10).json()) < n:
         assert time.monotonic() < deadline, f"{n} slots never became busy"
         time.sleep(0.05)
-
-
-def stream_outcome(base: str, body: dict) -> str:
-    try:
-        with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
-            if r.status_code != 200:
-                return f"http {r.status_code}"
-            err = None
-            for line in r.iter_lines():
-                if line.startswith('data: {"error"'):
-                    err = json.loads(line[6:])["error"]["code"]
-                elif line == "data: [DONE]":
-                    return f"error {err}" if err else "completed"
-            return "no end"
-    except httpx.HTTPError as e:
-        return f"transport {type(e).__name__}"
 
 
 def test_an_engine_replica_restart_fails_only_its_requests_and_the_next_ones_complete(deploy):

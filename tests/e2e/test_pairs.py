@@ -16,6 +16,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.rpc_stage import NAMESPACE, STAGE_NAME
+from tests.e2e.streams import stream_outcome
 
 APP = {
     "n_ctx": 2048,
@@ -95,21 +96,9 @@ def test_killing_one_pairs_stage_leaves_the_other_pairs_streams_intact(deploy):
     results: dict[int, tuple[str, str]] = {}
 
     def stream(i: int) -> None:
-        body = {"prompt": f"long request {i}", "max_tokens": 300, "ignore_eos": True, "stream": True}
-        replica, outcome = "", "hung"
-        try:
-            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
-                replica = r.headers.get("x-engine-replica", "")
-                outcome = "no end"
-                for line in r.iter_lines():
-                    if line.startswith('data: {"error"'):
-                        outcome = "error event"
-                    elif line == "data: [DONE]":
-                        outcome = outcome if outcome == "error event" else "completed"
-                        break
-        except httpx.HTTPError as e:
-            outcome = f"transport {type(e).__name__}"
-        results[i] = (replica, outcome)
+        headers: dict = {}
+        outcome = stream_outcome(base, {"prompt": f"long request {i}", "max_tokens": 300, "ignore_eos": True}, headers)
+        results[i] = (headers.get("x-engine-replica", ""), outcome)
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
     for t in threads:
