@@ -292,12 +292,12 @@ class EngineDeployment:
                 extra["tools"] = {"names": plan.names, "parallel": plan.parallel}
             return self.engine.make_request(prompt, params, request_id, n=req.n, id_slot=req.id_slot), extra
         prompt = req.prompt
-        if req.echo:
-            extra["echo"] = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
         params = req.sampling(self._default_max_tokens())
         cache_prompt = getattr(req, "cache_prompt", True)
-        return self.engine.make_request(prompt, params, request_id, cache_prompt=cache_prompt, n=req.n,
-                                        id_slot=req.id_slot), extra
+        r = self.engine.make_request(prompt, params, request_id, cache_prompt=cache_prompt, n=req.n, id_slot=req.id_slot)
+        if req.echo:  # after make_request: token ids are checked there (400), not decoded blind
+            extra["echo"] = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
+        return r, extra
 
     # ---- llama-server's utility endpoints (off the event loop: inputs can be large) -----------
 

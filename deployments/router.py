@@ -33,6 +33,9 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 log = logging.getLogger(__name__)
 
 STATS_PERIOD_S = 1.0  # how often engine replicas report their load (RequestRouterConfig)
+# sends this recent count as load on top of the stats: a burst spreads, while one client's
+# back-to-back requests (each done in a fraction of a second) do not pile up as phantom load
+SEND_WINDOW_S = 0.25
 CHUNK_CHARS = 256
 MAX_CHUNKS = 64
 TABLE_SIZE = 50_000
@@ -82,12 +85,12 @@ class PairRouter(FIFOMixin, RequestRouter):
         log.info("pair router: replicas of %s: %s", self._deployment_id.name, sorted(known[self._deployment_id.name]))
 
     def _busy(self, r: RunningReplica) -> int:
-        """Running and waiting requests as the replica last said, plus those sent to it since
-        (those of the last stats period and a half: a few may count twice)."""
+        """Running and waiting requests as the replica last said, plus those sent to it in the
+        last ``SEND_WINDOW_S`` (not in the stats yet; a few may count twice)."""
         rid = r.replica_id.unique_id
         stats = r.routing_stats or {}
         sent = self._sent.setdefault(rid, collections.deque())
-        horizon = time.monotonic() - 1.5 * STATS_PERIOD_S
+        horizon = time.monotonic() - SEND_WINDOW_S
         while sent and sent[0] < horizon:
             sent.popleft()
         return int(stats.get("running", 0)) + int(stats.get("waiting", 0)) + len(sent)
