@@ -396,7 +396,8 @@ class EngineDeployment:
 
     async def info(self, replica: str | None = None) -> dict:
         return {
-            "node": ray.get_runtime_context().get_node_id(),
+            # only inside Ray: asking outside it would start a local Ray instance
+            "node": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
             "model": self.model_name,
             "n_ctx_slot": self.engine.n_ctx_slot,
             "n_parallel": self.config.n_parallel,
