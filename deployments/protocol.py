@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from engine.grammar import JSON_OBJECT_SCHEMA, schema_to_grammar
 from engine.sampling import SamplingParams
@@ -265,6 +265,7 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    _chat: ChatCompletionRequest | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _check(self) -> ResponsesRequest:
@@ -272,7 +273,7 @@ class ResponsesRequest(BaseModel):
             raise ValueError("previous_response_id is not supported: responses are not stored; send the whole input")
         if self.tools:
             raise ValueError("tools are not supported on /v1/responses; use /v1/chat/completions")
-        self.to_chat()
+        self._chat = self._chat_request()  # validated here, once; to_chat() hands it out
         return self
 
     def messages(self) -> list[dict[str, Any]]:
@@ -302,6 +303,10 @@ class ResponsesRequest(BaseModel):
         return {"type": fmt.get("type")}
 
     def to_chat(self) -> ChatCompletionRequest:
+        """The chat request this one is served as (built when the body was validated)."""
+        return self._chat
+
+    def _chat_request(self) -> ChatCompletionRequest:
         body: dict[str, Any] = {"messages": self.messages(), "stream": self.stream, "model": self.model,
                                 "response_format": self.response_format()}
         for k, v in (("max_tokens", self.max_output_tokens), ("temperature", self.temperature), ("top_p", self.top_p)):
