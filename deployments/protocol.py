@@ -27,7 +27,7 @@ SAMPLING_KEYS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repeat_penalty",
     "repeat_last_n", "min_keep", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dry_multiplier",
     "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "dynatemp_range",
-    "dynatemp_exponent", "mirostat", "mirostat_tau", "mirostat_eta", "samplers",
+    "dynatemp_exponent", "mirostat", "mirostat_tau", "mirostat_eta", "samplers", "speculative",
 )
 
 
@@ -69,6 +69,7 @@ class _Common(BaseModel):
     mirostat_tau: float | None = _sampling("mirostat_tau")
     mirostat_eta: float | None = _sampling("mirostat_eta")
     samplers: list[str] | None = _sampling("samplers")
+    speculative: bool | None = _sampling("speculative")
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     # structured output: OpenAI's response_format, llama-server's grammar and json_schema

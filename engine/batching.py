@@ -13,19 +13,21 @@ llama.cpp's own graph computations in tests/test_batching.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
 @dataclass(slots=True)
 class Entry:
-    """The tokens one slot contributes to a step; ``out`` when its last token wants logits."""
+    """The tokens one slot contributes to a step; ``out`` when its last token wants logits.
+    A drafting row's tokens are its last token and its ``draft``, all with logits."""
 
     slot: Any
     seq_id: int
     pos0: int
     tokens: list[int]
     out: bool
+    draft: list[int] = field(default_factory=list)
 
 
 def order_entries(entries: list[Entry]) -> list[Entry]:

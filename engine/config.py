@@ -6,6 +6,8 @@ import os
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.speculative import SpeculativeConfig
+
 
 class EngineConfig(BaseModel):
     """Everything the engine needs to load a model and run its slots."""
@@ -125,6 +127,11 @@ class EngineConfig(BaseModel):
         "connection can race on the per-device last-graph id (LLAMA_GRAPH_REUSE_DISABLE).",
     )
     seed: int = Field(default=-1, description="Default sampling seed; -1 draws one per request.")
+    speculative: SpeculativeConfig | None = Field(
+        default=None,
+        description="Speculative decoding per group: {type: ngram|draft, model, n_max, n_min, p_min, "
+        "max_rows, ...}; None: off. See engine/speculative.py.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

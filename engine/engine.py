@@ -29,6 +29,7 @@ from engine.native import Model, add_rpc_server, local_device_name
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.slots import Slot, SlotView
+from engine.speculative import load_draft_model
 from engine.tokenizer import Tokenizer
 from engine.types import Output, Request, RequestError
 
@@ -78,6 +79,13 @@ class Engine:
             tensor_split=layer_split(config, self.devices),
             repack=config.repack,
         )
+        self.draft_model = None
+        if config.speculative is not None and config.speculative.type == "draft":
+            try:
+                self.draft_model = load_draft_model(config.speculative, self.model)
+            except BaseException:
+                self.model.close()
+                raise
         self.model_name = config.model_alias or Path(config.model).name
         self.tokenizer = Tokenizer(self.model, config.chat_template, config.chat_template_file)
         self.groups: list[PipelineGroup] = []
@@ -102,11 +110,14 @@ class Engine:
                         self.slots[g * per : (g + 1) * per],
                         self._sink,
                         self.scheduler.release,
+                        draft_model=self.draft_model,
                     )
                 )
         except BaseException:
             for grp in self.groups:
                 grp.close()
+            if self.draft_model is not None:
+                self.draft_model.close()
             self.model.close()
             raise
         self.n_ctx_slot = self.groups[0].n_ctx_slot
@@ -308,6 +319,8 @@ class Engine:
             return
         for g in self.groups:
             g.close()
+        if self.draft_model is not None:
+            self.draft_model.close()
         self.model.close()
 
 

@@ -28,6 +28,7 @@ from engine.config import EngineConfig
 from engine.native import Batch, Context, Model, NativeError
 from engine.sampling import SamplerChain, token_logprobs
 from engine.slots import Slot, SlotState, SlotView, common_prefix
+from engine.speculative import ModelDrafter, NgramDrafter
 from engine.text import TextStream
 from engine.tokenizer import Tokenizer
 from engine.types import SHUTTING_DOWN, FinishReason, Output, Request
@@ -60,6 +61,18 @@ class _StopMsg:
     pass
 
 
+@dataclass(slots=True)
+class Row:
+    """A slot sampled this step: the batch index and the logits row of its first output, and
+    the draft verified on the rows after it (empty without speculation)."""
+
+    slot: Slot
+    batch_idx: int
+    logits_idx: int
+    draft: list[int]
+    pos0: int
+
+
 class PipelineGroup:
     def __init__(
         self,
@@ -70,6 +83,7 @@ class PipelineGroup:
         slots: list[Slot],
         sink: Sink,
         on_release: Callable[[SlotView, bool], None],
+        draft_model: Model | None = None,
     ) -> None:
         self.index = index
         self.model = model
@@ -94,6 +108,15 @@ class PipelineGroup:
         )
         self.n_ctx_slot = self.ctx.n_ctx_seq
         self.batch = Batch(n_batch)
+        self.spec = config.speculative
+        self.drafter: NgramDrafter | ModelDrafter | None = None
+        if self.spec is not None and self.spec.max_rows > 0:
+            if self.spec.type == "ngram":
+                self.drafter = NgramDrafter(self.spec)
+            else:
+                self.drafter = ModelDrafter(
+                    self.spec, draft_model, n_ctx=config.n_ctx_per_group, n_seq=len(slots), n_batch=n_batch,
+                    n_threads=self.spec.draft_threads or config.local_threads(), flash_attn=config.flash_attn)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         n_pool = config.sample_threads_per_group()
         self.n_sample_threads = n_pool
@@ -105,7 +128,7 @@ class PipelineGroup:
         self.prof = GroupProfiler(index, kv_total=self.ctx.n_ctx, enabled_log=config.profile)
         self.active: list[Slot] = []
         self._row_errors: dict[int, str] = {}  # slot id -> why its sampler failed this step
-        self._row_logprobs: dict[int, tuple] = {}  # slot id -> this step's token logprobs
+        self._row_logprobs: dict[int, list] = {}  # slot id -> this step's token logprobs, in order
         self.alive = True
         self.error: str | None = None
         # when the decode in progress began (time.monotonic), 0.0 between decodes: a decode
@@ -137,6 +160,8 @@ class PipelineGroup:
             if s.sampler is not None:
                 s.sampler.close()
                 s.sampler = None
+        if self.drafter is not None:
+            self.drafter.close()
         self.ctx.close()
 
     # ---- the thread -------------------------------------------------------------------------
@@ -266,21 +291,52 @@ class PipelineGroup:
         s.last_token = -1
         s.t_start = time.monotonic()
         s.t_first_token = 0.0
+        s.spec.reset()
         s.state = SlotState.PROMPT
         s.leader = leader
         self.active.append(s)
         self.on_release(s.view(), False)
         return s
 
-    def _plan(self) -> list[Entry]:
-        """This step's work: every generating slot's last token, then prompt chunks up to
-        ``n_batch`` (in the order the slots became busy), laid out by sequence id."""
+    def _drafts(self) -> dict[int, list[int]]:
+        """This step's drafts (slot id -> tokens), when the group speculates this step."""
+        d, sc = self.drafter, self.spec
+        if d is None:
+            return {}
+        gen = [s for s in self.active if s.state is SlotState.GENERATING]
+        if not gen or len(gen) > sc.max_rows:
+            return {}
+        rows = []
+        for s in gen:
+            if s.on_backend or not s.req.params.speculative:
+                continue
+            # the last verified row is the request's last token: never draft past n_predict
+            limit = min(sc.n_max, s.req.n_predict - s.n_generated - 1, self.n_ctx_slot - len(s.cache_tokens) - 1)
+            if limit >= sc.n_min and s.spec.wants():
+                rows.append((s, [*s.cache_tokens, s.last_token], limit))
+        if not rows:
+            return {}
+        t0 = time.perf_counter()
+        try:
+            drafts = d.draft(rows)
+        except NativeError as e:  # the draft context failed: this step goes on without drafts
+            log.warning("group %d: drafting failed: %s", self.index, e)
+            return {}
+        finally:
+            self.prof.add("draft", time.perf_counter() - t0)
+        return {s.id: dr for (s, _, _), dr in zip(rows, drafts, strict=True) if len(dr) >= sc.n_min}
+
+    def _plan(self, drafts: dict[int, list[int]]) -> list[Entry]:
+        """This step's work: every generating slot's last token (and its draft, if any), then
+        prompt chunks up to ``n_batch`` (in the order the slots became busy), laid out by
+        sequence id."""
         entries: list[Entry] = []
-        free = self.batch.capacity
-        for s in self.active:
-            if s.state is SlotState.GENERATING:
-                entries.append(Entry(s, s.seq_id, len(s.cache_tokens), [s.last_token], True))
-                free -= 1
+        gen = [s for s in self.active if s.state is SlotState.GENERATING]
+        free = self.batch.capacity - len(gen)
+        for s in gen:
+            draft = drafts.get(s.id, ())[:free]
+            free -= len(draft)
+            entries.append(Entry(s, s.seq_id, len(s.cache_tokens), [s.last_token, *draft], True, list(draft)))
         for s in self.active:
             if s.state is not SlotState.PROMPT or free == 0 or s.leader is not None:
                 continue
@@ -291,13 +347,14 @@ class PipelineGroup:
         return order_entries(entries)
 
     def _step(self) -> None:
-        """One step in four phases on this thread: plan the batch, execute it, sample its
-        rows, post-process (detokenise, stop strings, finish) and send."""
+        """One step in five phases on this thread: draft, plan the batch, execute it, sample
+        (and verify) its rows, post-process (detokenise, stop strings, finish) and send."""
         prof = self.prof
+        drafts = self._drafts()
         t0 = time.perf_counter()
-        entries = self._plan()
-        rows, row_idx = self._fill_batch(entries)
-        n_out, n_tokens = len(rows), self.batch.n_tokens
+        entries = self._plan(drafts)
+        rows = self._fill_batch(entries)
+        n_tokens = self.batch.n_tokens
         n_ubatches = count_ubatches(entries, self.ctx.n_ubatch, self.config.kv_unified)
         t1 = time.perf_counter()
         prof.add("batch", t1 - t0)
@@ -305,7 +362,8 @@ class PipelineGroup:
             return
         t2 = time.perf_counter()
         backend = self.config.backend_sampling
-        logits = self.ctx.logits(n_out, self.n_vocab) if rows and not backend else None
+        n_logits = sum(1 + len(r.draft) for r in rows)
+        logits = self.ctx.logits(n_logits, self.n_vocab) if rows and not backend else None
         t3 = time.perf_counter()
         prof.add("sync", t3 - t2)
         for e in entries:  # the KV now holds the entries' tokens
@@ -313,38 +371,61 @@ class PipelineGroup:
             s.cache_tokens.extend(e.tokens)
             if s.state is SlotState.PROMPT:
                 s.n_prompt_done += len(e.tokens)
-        out_row = self._fork(rows, row_idx)
-        if out_row is not None and logits is not None:
-            logits = logits[out_row]  # a follower samples from its leader's row
+        self._fork(rows)
         if not rows:
             tokens = []
         elif backend:
-            tokens = self._sample_backend(rows, row_idx)
+            tokens = self._sample_backend(rows)
         else:
             tokens = self._sample(rows, logits)
         t4 = time.perf_counter()
         prof.add("sample", t4 - t3)
-        outs = [o for s, tok in zip(rows, tokens, strict=True) if (o := self._process(s, tok)) is not None]
+        drafted = accepted = 0
+        for r, toks in zip(rows, tokens, strict=True):
+            if r.draft:
+                n_acc = self._verified(r, toks)
+                drafted += len(r.draft)
+                accepted += n_acc
+        if drafted:
+            prof.add_spec(drafted, accepted)
+        outs = [o for r, toks in zip(rows, tokens, strict=True) if (o := self._process(r.slot, toks)) is not None]
         t5 = time.perf_counter()
         if outs:
             self.sink(outs)
         prof.add("send", time.perf_counter() - t5)
         n_busy = len(self.active) + sum(1 for o in outs if o.finish_reason)
-        prof.end_step(len(rows), n_tokens, n_busy, sum(len(s.cache_tokens) for s in self.slots), n_ubatches)
+        prof.end_step(sum(len(t) for t in tokens), n_tokens, n_busy,
+                      sum(len(s.cache_tokens) for s in self.slots), n_ubatches)
 
-    def _fill_batch(self, entries: list[Entry]) -> tuple[list[Slot], list[int]]:
-        """The batch of this step's entries; returns the slots sampled this step, in the batch
-        order of their logits, and the batch index of each one's output token."""
+    def _verified(self, r: Row, toks: list[int]) -> int:
+        """After a drafted row's verification: drop the KV of the draft tokens that were not
+        accepted; returns how many were."""
+        s, draft = r.slot, r.draft
+        n = 0
+        while n < len(draft) and n < len(toks) and toks[n] == draft[n]:
+            n += 1
+        if n < len(draft):
+            keep = r.pos0 + 1 + n  # the row's last token and the accepted drafts
+            if not self.ctx.seq_rm(s.seq_id, keep, -1):
+                raise NativeError(f"removing rejected draft tokens of sequence {s.seq_id} failed", -1)
+            del s.cache_tokens[keep:]
+        s.spec.record(len(draft), n)
+        return n
+
+    def _fill_batch(self, entries: list[Entry]) -> list[Row]:
+        """The batch of this step's entries; returns the rows sampled this step, in the batch
+        order of their logits."""
         b = self.batch
         b.clear()
-        rows: list[Slot] = []
-        row_idx: list[int] = []
+        rows: list[Row] = []
+        n_out = 0
         for e in entries:
-            i0 = b.add(e.tokens, e.pos0, e.seq_id, e.out)
+            n_logits = (1 + len(e.draft)) if e.out else 0
+            i0 = b.add(e.tokens, e.pos0, e.seq_id, n_logits)
             if e.out:
-                rows.append(e.slot)
-                row_idx.append(i0 + len(e.tokens) - 1)
-        return rows, row_idx
+                rows.append(Row(e.slot, i0 + len(e.tokens) - 1 - len(e.draft), n_out, e.draft, e.pos0))
+                n_out += n_logits
+        return rows
 
     def _execute(self, entries: list[Entry]) -> bool:
         """Decode the batch; False when it failed (its requests have ended with an error)."""
@@ -366,36 +447,30 @@ class PipelineGroup:
         self.prof.add("decode_cpu", time.thread_time() - c1)
         return True
 
-    def _fork(self, rows: list[Slot], row_idx: list[int]) -> list[int] | None:
+    def _fork(self, rows: list[Row]) -> None:
         """Leaders whose prompt is now in the KV hand it to their followers: each follower's
-        sequence gets a copy and joins this step's rows on its leader's logits. Returns the
-        logits row of each row when followers joined, else None."""
-        out_row: list[int] | None = None
+        sequence gets a copy and joins this step's rows on its leader's logits."""
         for i in range(len(rows)):
-            s = rows[i]
+            s = rows[i].slot
             if not s.forks or s.n_prompt_done < len(s.req.prompt_tokens):
                 continue
-            out_row = out_row if out_row is not None else list(range(len(rows)))
             for f in s.forks:
                 self.ctx.seq_cp(s.seq_id, f.seq_id)
                 f.cache_tokens[:] = s.cache_tokens
                 f.n_prompt_done = len(f.req.prompt_tokens)
                 f.leader = None
-                rows.append(f)
-                row_idx.append(row_idx[i])
-                out_row.append(i)
+                rows.append(Row(f, rows[i].batch_idx, rows[i].logits_idx, [], rows[i].pos0))
             s.forks = []
-        return out_row
 
-    def _sample(self, rows: list[Slot], logits: np.ndarray) -> list[int]:
+    def _sample(self, rows: list[Row], logits: np.ndarray) -> list[list[int]]:
         n = len(rows)
         if self.pool is None or n < 2:
-            return [self._sample_row(s, logits[i]) for i, s in enumerate(rows)]
+            return [self._sample_slot(r, logits) for r in rows]
         k = min(self.n_sample_threads, n)
         bounds = [n * j // k for j in range(k + 1)]
 
-        def work(lo: int, hi: int) -> list[int]:
-            return [self._sample_row(rows[i], logits[i]) for i in range(lo, hi)]
+        def work(lo: int, hi: int) -> list[list[int]]:
+            return [self._sample_slot(rows[i], logits) for i in range(lo, hi)]
 
         futs = [self.pool.submit(work, bounds[j], bounds[j + 1]) for j in range(1, k)]
         out = work(bounds[0], bounds[1])
@@ -403,11 +478,26 @@ class PipelineGroup:
             out.extend(f.result())
         return out
 
+    def _sample_slot(self, r: Row, logits: np.ndarray) -> list[int]:
+        """A row's tokens: one, or with a draft, one per verified position until the first
+        sampled token that differs from the draft (that one included). Each token is
+        accepted by the chain before the next position is sampled."""
+        s, draft = r.slot, r.draft
+        out = []
+        for i in range(len(draft) + 1):
+            tok = self._sample_row(s, logits[r.logits_idx + i])
+            out.append(tok)
+            if i == len(draft) or tok != draft[i] or self.tok.is_eog(tok):
+                break
+        return out
+
     def _sample_row(self, s: Slot, row: np.ndarray) -> int:
-        """One row's token, or -1 when its sampler fails (e.g. a grammar that no token of
-        the vocabulary can continue): that request ends with an error, the group goes on."""
+        """One row's token, accepted by the slot's chain, or -1 when its sampler fails (e.g. a
+        grammar that no token of the vocabulary can continue): that request ends with an
+        error, the group goes on."""
         try:
             tok = s.sampler.sample(row)
+            s.sampler.accept(tok)
         except Exception as e:
             self._row_errors[s.id] = f"sampling failed: {e}"
             return -1
@@ -415,48 +505,65 @@ class PipelineGroup:
         if k is not None:  # only the rows that ask pay for it
             lp, top = token_logprobs(row, tok, k)
             piece = self.tok.piece
-            self._row_logprobs[s.id] = ((piece(tok, special=False), lp,
-                                         tuple((piece(t, special=False), v) for t, v in top)),)
+            self._row_logprobs.setdefault(s.id, []).append(
+                (piece(tok, special=False), lp, tuple((piece(t, special=False), v) for t, v in top)))
         return tok
 
-    def _sample_backend(self, rows: list[Slot], row_idx: list[int]) -> list[int]:
+    def _sample_backend(self, rows: list[Row]) -> list[list[int]]:
         """Rows sampled in the graph are read back; the others sample from their logits row."""
         out = []
-        for s, i in zip(rows, row_idx, strict=True):
+        for r in rows:
+            s = r.slot
             if s.on_backend:
-                out.append(self.ctx.sampled_token(i))
+                tok = self.ctx.sampled_token(r.batch_idx)
+                s.sampler.accept(tok)
+                out.append([tok])
             else:
-                out.append(self._sample_row(s, self.ctx.logits_row(i, self.n_vocab)))
+                out.append([self._sample_row(s, self.ctx.logits_row(r.batch_idx, self.n_vocab))])
         return out
 
-    def _process(self, s: Slot, tok: int) -> Output | None:
-        """Account for the token sampled for slot ``s``; returns what to send, if anything."""
+    def _process(self, s: Slot, toks: list[int]) -> Output | None:
+        """Account for the tokens sampled for slot ``s`` this step; returns what to send."""
         prof = self.prof
         t0 = time.perf_counter()
         r = s.req
-        if tok < 0:
-            return self._finish(s, FinishReason.ERROR, s.text.flush(), error=self._row_errors.pop(s.id, "sampling failed"))
-        s.sampler.accept(tok)
-        s.n_generated += 1
-        s.last_token = tok
-        if s.n_generated == 1:
-            s.t_first_token = time.monotonic()
-            s.state = SlotState.GENERATING
-        lps = self._row_logprobs.pop(s.id, None) if self._row_logprobs else None
-        if self.tok.is_eog(tok):  # never with ignore_eos: the sampler bans these tokens then
-            prof.add("detok", time.perf_counter() - t0)
-            # the end-of-generation token is not text; what was held back is
-            return self._finish(s, FinishReason.STOP, s.text.flush(), counted=True)
-        piece = self.tok.piece(tok, special=False)
-        t1 = time.perf_counter()
-        prof.add("detok", t1 - t0)
-        text = s.text.feed(piece)
-        prof.add("stop", time.perf_counter() - t1)
-        if s.text.stopped_by is not None:
-            return self._finish(s, FinishReason.STOP, text, counted=True, tokens=(tok,), stop_word=s.text.stopped_by)
-        if s.n_generated >= r.n_predict:
-            return self._finish(s, FinishReason.LENGTH, text + s.text.flush(), counted=True, logprobs=lps, tokens=(tok,))
-        return Output(r.id, text, 1, logprobs=lps, tokens=(tok,))
+        lp_rows = self._row_logprobs.pop(s.id, None) if self._row_logprobs else None
+        texts: list[str] = []
+        emitted: list[int] = []
+        lps: list = []
+
+        def done(reason: FinishReason, tail: str, n: int, **kw: object) -> Output:
+            return self._finish(s, reason, "".join(texts) + tail, n_tokens=n, tokens=tuple(emitted), **kw)
+
+        for i, tok in enumerate(toks):
+            if tok < 0:
+                return done(FinishReason.ERROR, s.text.flush(), len(emitted),
+                            error=self._row_errors.pop(s.id, "sampling failed"), logprobs=tuple(lps) or None)
+            s.n_generated += 1
+            s.last_token = tok
+            if s.n_generated == 1:
+                s.t_first_token = time.monotonic()
+                s.state = SlotState.GENERATING
+            if self.tok.is_eog(tok):  # never with ignore_eos: the sampler bans these tokens then
+                prof.add("detok", time.perf_counter() - t0)
+                # the end-of-generation token is not text; what was held back is
+                return done(FinishReason.STOP, s.text.flush(), len(emitted) + 1, logprobs=tuple(lps) or None)
+            piece = self.tok.piece(tok, special=False)
+            t1 = time.perf_counter()
+            prof.add("detok", t1 - t0)
+            texts.append(s.text.feed(piece))
+            t0 = time.perf_counter()
+            prof.add("stop", t0 - t1)
+            if s.text.stopped_by is not None:
+                emitted.append(tok)
+                return done(FinishReason.STOP, "", len(emitted), logprobs=tuple(lps) or None,
+                            stop_word=s.text.stopped_by)
+            emitted.append(tok)
+            if lp_rows is not None:
+                lps.append(lp_rows[i])
+            if s.n_generated >= r.n_predict:
+                return done(FinishReason.LENGTH, s.text.flush(), len(emitted), logprobs=tuple(lps) or None)
+        return Output(r.id, "".join(texts), len(emitted), logprobs=tuple(lps) or None, tokens=tuple(emitted))
 
     def _finish(
         self,
@@ -466,7 +573,7 @@ class PipelineGroup:
         *,
         error: str | None = None,
         status: int = 0,
-        counted: bool = False,
+        n_tokens: int = 0,
         release: bool = True,
         logprobs: tuple | None = None,
         tokens: tuple[int, ...] = (),
@@ -477,7 +584,7 @@ class PipelineGroup:
         out = Output(
             request_id=r.id,
             text=text,
-            n_tokens=1 if counted else 0,
+            n_tokens=n_tokens,
             finish_reason=reason,
             prompt_tokens=len(r.prompt_tokens),
             completion_tokens=s.n_generated,

@@ -451,8 +451,9 @@ class Batch:
         self.n_tokens = 0
         self.struct.n_tokens = 0
 
-    def add(self, tokens: list[int], pos0: int, seq_id: int, last_logits: bool) -> int:
-        """Append tokens of one sequence; returns the row of the first token."""
+    def add(self, tokens: list[int], pos0: int, seq_id: int, n_logits: int | bool) -> int:
+        """Append tokens of one sequence, the last ``n_logits`` of them with logits (a bool:
+        the last one or none); returns the row of the first token."""
         n = len(tokens)
         i = self.n_tokens
         if i + n > self.capacity:
@@ -461,8 +462,8 @@ class Batch:
         self.pos[i : i + n] = np.arange(pos0, pos0 + n, dtype=np.int32)
         self.seq[i : i + n] = seq_id
         self.logits[i : i + n] = 0
-        if last_logits:
-            self.logits[i + n - 1] = 1
+        if n_logits:
+            self.logits[i + n - int(n_logits) : i + n] = 1
         self.n_tokens = i + n
         self.struct.n_tokens = self.n_tokens
         return i

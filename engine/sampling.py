@@ -72,6 +72,11 @@ class SamplingParams(BaseModel):
         default=None, ge=0, le=20,
         description="Report each generated token's log probability and this many most likely alternatives.",
     )
+    speculative: bool = Field(
+        default=True,
+        description="Let the server draft and verify several tokens per step for this request when it is "
+        "configured for speculative decoding; false: one token per step.",
+    )
 
     @field_validator("stop", mode="before")
     @classmethod

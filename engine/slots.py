@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.sampling import SamplerChain
+from engine.speculative import SpecState
 from engine.text import TextStream
 from engine.types import Request
 
@@ -57,6 +58,7 @@ class Slot:
     # n > 1: a leader's followers that wait for its prompt; a follower's leader
     forks: list[Slot] = field(default_factory=list)
     leader: Slot | None = None
+    spec: SpecState = field(default_factory=SpecState)  # speculative decoding's back-off
 
     def view(self) -> SlotView:
         return SlotView(

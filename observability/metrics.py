@@ -143,6 +143,9 @@ class _GroupCollector:
         bps = fam(GaugeMetricFamily, "group_busy_slots_per_decode", "Mean busy slots per decode step since start.")
         phase = fam(CounterMetricFamily, "group_phase_seconds", "Seconds the group's thread spent in each host-path phase.", ["phase"])
         dev = fam(GaugeMetricFamily, "group_device_busy_ratio", "Fraction of wall time since start the group spent in decode and synchronise.")
+        drafted = fam(CounterMetricFamily, "group_spec_drafted_tokens", "Speculative decoding: draft tokens the group verified.")
+        accepted = fam(CounterMetricFamily, "group_spec_accepted_tokens", "Speculative decoding: draft tokens the group accepted.")
+        rate = fam(GaugeMetricFamily, "group_spec_acceptance_ratio", "Speculative decoding: accepted over drafted tokens since start (0 before any draft).")
         for s in self.snaps:
             v = [self.model, self.replica, str(s.group)]
             n_busy, n = self.busy.get(s.group, (0, 0))
@@ -158,7 +161,10 @@ class _GroupCollector:
             for ph in PHASES:
                 phase.add_metric([*v, ph], getattr(s, ph))
             dev.add_metric(v, min(1.0, (s.decode + s.sync) / self.wall))
-        yield from (slots_busy, slots, kv, steps, rows, toks, ubs, dcpu, bps, phase, dev)
+            drafted.add_metric(v, s.drafted)
+            accepted.add_metric(v, s.accepted)
+            rate.add_metric(v, s.accepted / s.drafted if s.drafted else 0.0)
+        yield from (slots_busy, slots, kv, steps, rows, toks, ubs, dcpu, bps, phase, dev, drafted, accepted, rate)
 
 
 def merge_exposition(texts: list[bytes]) -> bytes:

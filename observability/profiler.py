@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 log = logging.getLogger(__name__)
 
-PHASES = ("wait", "batch", "decode", "sync", "sample", "detok", "stop", "send")
+PHASES = ("wait", "draft", "batch", "decode", "sync", "sample", "detok", "stop", "send")
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,10 @@ class ProfileSnapshot:
     busy_slots_sum: int = 0  # sum over steps of slots busy during the step
     kv_used: int = 0  # KV cells holding tokens after the last step
     kv_total: int = 0
+    drafted: int = 0  # speculative decoding: draft tokens verified
+    accepted: int = 0  # ... and accepted
     wait: float = 0.0
+    draft: float = 0.0
     batch: float = 0.0
     decode: float = 0.0
     sync: float = 0.0
@@ -54,6 +57,8 @@ class ProfileSnapshot:
             f"decode {self.decode / s * ms:.2f} sync {self.sync / s * ms:.2f} "
             f"step {step / s * ms:.2f} | per token ms: sample {self.sample / r * ms:.3f} "
             f"detok {self.detok / r * ms:.3f} stop {self.stop / r * ms:.3f} send {self.send / r * ms:.3f}"
+            + (f" | draft ms/step {self.draft / s * ms:.2f}, accepted {self.accepted}/{self.drafted}"
+               if self.drafted else "")
         )
 
 
@@ -67,6 +72,7 @@ class GroupProfiler:
         self.kv_total = kv_total
         self._acc = dict.fromkeys((*PHASES, "decode_cpu"), 0.0)
         self._steps = self._rows = self._tokens = self._busy = self._ubatches = 0
+        self._drafted = self._accepted = 0
         self.snapshot = ProfileSnapshot(group=group, kv_total=kv_total)
         self._log_every = log_every_s
         self._log_enabled = enabled_log
@@ -75,6 +81,10 @@ class GroupProfiler:
 
     def add(self, phase: str, seconds: float) -> None:
         self._acc[phase] += seconds
+
+    def add_spec(self, drafted: int, accepted: int) -> None:
+        self._drafted += drafted
+        self._accepted += accepted
 
     def end_step(self, rows: int, tokens: int, busy_slots: int, kv_used: int, ubatches: int) -> None:
         self._steps += 1
@@ -91,6 +101,8 @@ class GroupProfiler:
             busy_slots_sum=self._busy,
             kv_used=kv_used,
             kv_total=self.kv_total,
+            drafted=self._drafted,
+            accepted=self._accepted,
             **self._acc,
         )
         if self._log_enabled:

@@ -1,0 +1,229 @@
+"""Speculative decoding of one pipeline group: who drafts, and how a draft is verified.
+
+A generating row that drafts ``k`` tokens puts ``[last, d1 .. dk]`` in the group's batch with
+logits for all ``k + 1`` positions. Verification samples the rows in order with the
+request's own sampler chain, accepting each sampled token before the next row is sampled,
+and stops after the first sampled token that differs from the draft: every token is drawn
+from the target distribution given the tokens before it, exactly as without speculation
+(greedy gives the same text; a seeded request the same tokens, since the chain draws one
+random number per emitted token either way). The KV of the rejected draft tokens is removed.
+
+Drafters (one per group, used only by the group's thread):
+
+- ``NgramDrafter``: prompt lookup. The last ``n`` tokens of the row's history (prompt and
+  output) are looked up earlier in the same history, longest ``n`` first, most recent match
+  first; what followed the match is the draft. No model, no KV.
+- ``ModelDrafter``: a small model with the target's vocabulary, one context per group on the
+  local device. Its KV follows the target's tokens by common prefix (so prefix reuse and slot
+  restores need no special case); each draft step decodes one token per drafting row, greedy,
+  and a row stops drafting when the draft model's probability of its pick falls under
+  ``p_min``.
+
+Speculation is skipped when it loses: when the group has more generating rows than
+``max_rows`` (a batch that already fills the device gains nothing from longer rows), and per
+row after drafts that were all rejected (backing off 1, 2, 4 ... up to 32 steps).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+log = logging.getLogger(__name__)
+
+MAX_BACKOFF = 32
+
+
+class SpeculativeConfig(BaseModel):
+    """``speculative:`` of the engine's configuration."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["ngram", "draft"] = Field(
+        description="ngram: draft from the request's own prompt and output (no model); draft: a small "
+        "draft model with the target's vocabulary [--spec-type / --model-draft]."
+    )
+    model: str | None = Field(default=None, description="GGUF of the draft model (type draft) [-md].")
+    n_max: int = Field(default=8, ge=1, le=64, description="Most tokens drafted per row and step [--draft-max].")
+    n_min: int = Field(default=1, ge=1, le=64, description="Shorter drafts are not verified [--draft-min].")
+    p_min: float = Field(
+        default=0.75, ge=0.0, le=1.0,
+        description="type draft: a row stops drafting when the draft model's probability of its pick is "
+        "below this [--draft-p-min].",
+    )
+    ngram_min: int = Field(default=2, ge=1, le=16, description="type ngram: the shortest suffix looked up.")
+    ngram_max: int = Field(default=4, ge=1, le=16, description="type ngram: the longest suffix looked up.")
+    max_rows: int = Field(
+        default=4, ge=0,
+        description="Draft only in steps where the group has at most this many generating rows; above "
+        "it a step's batch already keeps the stages busy and verification costs more than it saves "
+        "(make bench-spec measures it). 0: never.",
+    )
+    draft_threads: int = Field(default=0, ge=0, description="type draft: threads of the draft context; 0: the local threads.")
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.type == "draft" and not self.model:
+            raise ValueError("speculative type 'draft' needs model: the draft GGUF")
+        if self.type == "ngram" and self.model:
+            raise ValueError("speculative type 'ngram' takes no model (did you mean type: draft?)")
+        if self.n_min > self.n_max:
+            raise ValueError(f"speculative n_min ({self.n_min}) exceeds n_max ({self.n_max})")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"speculative ngram_min ({self.ngram_min}) exceeds ngram_max ({self.ngram_max})")
+        return self
+
+
+class SpecState:
+    """A slot's speculation state (its group's thread only)."""
+
+    __slots__ = ("skip", "misses")
+
+    def __init__(self) -> None:
+        self.skip = 0  # steps left without drafting
+        self.misses = 0  # drafts in a row that were all rejected
+
+    def reset(self) -> None:
+        self.skip = self.misses = 0
+
+    def wants(self) -> bool:
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted and not accepted:
+            self.misses += 1
+            self.skip = min(MAX_BACKOFF, 1 << (self.misses - 1))
+        elif accepted:
+            self.misses = 0
+
+
+def ngram_draft(history: np.ndarray, n_min: int, n_max: int, limit: int) -> list[int]:
+    """Up to ``limit`` tokens that followed the most recent earlier occurrence of the
+    history's last ``n`` tokens (``n`` from ``n_max`` down to ``n_min``)."""
+    h = history
+    L = len(h)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        # windows starting before L - n: every earlier occurrence, not the suffix itself
+        win = sliding_window_view(h[: L - 1], n)
+        hits = np.flatnonzero((win == h[L - n :]).all(axis=1))
+        if len(hits):
+            i = int(hits[-1]) + n
+            return h[i : i + limit].tolist()
+    return []
+
+
+class NgramDrafter:
+    kind = "ngram"
+
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        self.cfg = cfg
+
+    def draft(self, rows: list[tuple[object, list[int], int]]) -> list[list[int]]:
+        """``rows``: (slot, history, limit); one draft per row."""
+        c = self.cfg
+        return [ngram_draft(np.asarray(h, np.int32), c.ngram_min, c.ngram_max, lim) for _, h, lim in rows]
+
+    def close(self) -> None:
+        pass
+
+
+class ModelDrafter:
+    """One draft context per group (the draft model is loaded once per engine)."""
+
+    kind = "draft"
+
+    def __init__(self, cfg: SpeculativeConfig, model: object, *, n_ctx: int, n_seq: int, n_batch: int,
+                 n_threads: int, flash_attn: bool | None) -> None:
+        from engine.native import Batch, Context
+
+        self.cfg = cfg
+        self.model = model
+        self.n_vocab = model.n_vocab
+        self.ctx = Context(model, n_ctx=n_ctx, n_seq_max=n_seq, n_batch=n_batch, n_ubatch=n_batch,
+                           n_threads=n_threads, flash_attn=flash_attn)
+        self.batch = Batch(n_batch)
+        self.tokens: list[list[int]] = [[] for _ in range(n_seq)]  # per sequence: tokens in the KV
+        self.n_swa = model.n_swa
+
+    def _sync(self, seq: int, history: list[int]) -> list[int]:
+        """Trim the sequence's KV to its common prefix with ``history``; returns the tokens of
+        ``history`` still to feed (at least the last one, whose logits give the first draft)."""
+        have = self.tokens[seq]
+        n = min(len(have), len(history) - 1)
+        k = 0
+        while k < n and have[k] == history[k]:
+            k += 1
+        if k and self.ctx.seq_pos_min(seq) > max(0, k - self.n_swa if self.n_swa else 0):
+            k = 0  # sliding-window layers dropped positions the prefix would attend over
+        if k < len(have):
+            if not self.ctx.seq_rm(seq, k, -1):
+                self.ctx.seq_rm(seq, 0, -1)
+                k = 0
+            del have[k:]
+        return history[k:]
+
+    def _decode(self) -> None:
+        self.ctx.decode(self.batch)
+
+    def draft(self, rows: list[tuple[object, list[int], int]]) -> list[list[int]]:
+        cfg, b = self.cfg, self.batch
+        drafts: list[list[int]] = [[] for _ in rows]
+        feeds = [(i, s.seq_id, self._sync(s.seq_id, h)) for i, (s, h, _) in enumerate(rows)]
+        # catch up: every token but the last of each row, chunked, no logits
+        b.clear()
+        for _, seq, feed in feeds:
+            toks, pos = feed[:-1], len(self.tokens[seq])
+            while toks:
+                if b.free == 0:
+                    self._decode()
+                    b.clear()
+                part = toks[: b.free]
+                b.add(part, pos, seq, False)
+                self.tokens[seq].extend(part)
+                toks, pos = toks[len(part):], pos + len(part)
+        if b.free < len(rows):
+            self._decode()
+            b.clear()
+        live = [(i, seq, feed[-1]) for i, seq, feed in feeds]
+        while live:
+            for _, seq, tok in live:
+                b.add([tok], len(self.tokens[seq]), seq, True)
+                self.tokens[seq].append(tok)
+            self._decode()
+            b.clear()
+            logits = self.ctx.logits(len(live), self.n_vocab)
+            nxt = []
+            for j, (i, seq, _) in enumerate(live):
+                row = logits[j]
+                t = int(np.argmax(row))
+                if cfg.p_min > 0.0:
+                    p = 1.0 / float(np.exp(row - row[t]).sum())
+                    if p < cfg.p_min:
+                        continue
+                drafts[i].append(t)
+                if len(drafts[i]) < rows[i][2]:
+                    nxt.append((i, seq, t))
+            live = nxt
+        return drafts
+
+    def close(self) -> None:
+        self.ctx.close()
+
+
+def load_draft_model(cfg: SpeculativeConfig, target: object) -> object:
+    """The draft model on the local device, checked against the target's vocabulary."""
+    from engine.native import Model, local_device_name
+
+    m = Model(cfg.model, devices=[local_device_name()])
+    if m.n_vocab != target.n_vocab:
+        m.close()
+        raise ValueError(f"the draft model's vocabulary has {m.n_vocab} tokens, the target's {target.n_vocab}: "
+                         "a draft model must share the target's tokenizer")
+    return m
