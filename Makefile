@@ -29,7 +29,7 @@ FLAGS_ID := $(shell echo '$(CMAKE_FLAGS)' | md5sum | cut -c1-8)
 WHEEL_DIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)-$(FLAGS_ID)
 STAMP := $(VENV)/.installed-$(LLAMA_VARIANT)-$(FLAGS_ID)
 
-.PHONY: install wheel model model-synthetic serve test test-fast lint bench llama-server cluster-up cluster-down clean
+.PHONY: install wheel model model-synthetic serve test test-fast test-cluster lint bench llama-server cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -91,6 +91,13 @@ test: install model model-synthetic
 
 test-fast: install model model-synthetic
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
+
+# The real `ray up` path of cluster/two-sparks.yaml on two hosts made on this machine (root,
+# Linux): network, mount and PID namespaces with sshd in each, a veth between them
+# (cluster/testbed.py); tests/cluster runs against them; everything is removed after.
+test-cluster: install model
+	trap '$(PY) -m cluster.testbed down' EXIT; \
+	WHEEL_CACHE='$(WHEEL_CACHE)' PGROUPS_TESTBED=1 $(PY) -m pytest tests/cluster -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check engine deployments cluster observability bench tests
