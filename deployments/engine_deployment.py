@@ -404,6 +404,7 @@ class EngineDeployment:
             "pipeline_groups": self.config.pipeline_groups,
             "devices": self.engine.devices,
             "n_vocab": self.engine.model.n_vocab,
+            "speculative": self.config.speculative.model_dump() if self.config.speculative else None,
             "healthy": self.engine.healthy and self._failed is None,
             "replica": self._replica,
         }

@@ -251,3 +251,13 @@ def test_metrics_export_drafted_and_accepted_tokens_per_group(make_engine, model
     assert got["group_spec_drafted_tokens_total"] == drafted > 0
     assert got["group_spec_accepted_tokens_total"] == accepted > 0
     assert got["group_spec_acceptance_ratio"] == 1.0  # one group drafted, all accepted; the other 0
+
+
+def test_the_api_carries_the_per_request_switch():
+    from deployments.protocol import ChatCompletionRequest, CompletionRequest
+
+    off = CompletionRequest(prompt="x", speculative=False).sampling(16)
+    assert off.speculative is False
+    assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).sampling(16).speculative is True
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt="x", speculative="sometimes")
