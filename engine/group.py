@@ -301,14 +301,14 @@ class PipelineGroup:
     def _drafts(self) -> dict[int, list[int]]:
         """This step's drafts (slot id -> tokens), when the group speculates this step."""
         d, sc = self.drafter, self.spec
-        if d is None:
+        if d is None or self.config.backend_sampling:  # rows sampled in the graph give one token
             return {}
         gen = [s for s in self.active if s.state is SlotState.GENERATING]
         if not gen or len(gen) > sc.max_rows:
             return {}
         rows = []
         for s in gen:
-            if s.on_backend or not s.req.params.speculative:
+            if not s.req.params.speculative:
                 continue
             # the last verified row is the request's last token: never draft past n_predict
             limit = min(sc.n_max, s.req.n_predict - s.n_generated - 1, self.n_ctx_slot - len(s.cache_tokens) - 1)
@@ -321,6 +321,7 @@ class PipelineGroup:
             drafts = d.draft(rows)
         except NativeError as e:  # the draft context failed: this step goes on without drafts
             log.warning("group %d: drafting failed: %s", self.index, e)
+            d.reset()
             return {}
         finally:
             self.prof.add("draft", time.perf_counter() - t0)
@@ -402,7 +403,8 @@ class PipelineGroup:
         accepted; returns how many were."""
         s, draft = r.slot, r.draft
         n = 0
-        while n < len(draft) and n < len(toks) and toks[n] == draft[n]:
+        # the last token of the step is the next step's input, never in the KV yet
+        while n < len(draft) and n < len(toks) - 1 and toks[n] == draft[n]:
             n += 1
         if n < len(draft):
             keep = r.pos0 + 1 + n  # the row's last token and the accepted drafts

@@ -130,6 +130,9 @@ class NgramDrafter:
         c = self.cfg
         return [ngram_draft(np.asarray(h, np.int32), c.ngram_min, c.ngram_max, lim) for _, h, lim in rows]
 
+    def reset(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -212,6 +215,12 @@ class ModelDrafter:
                     nxt.append((i, seq, t))
             live = nxt
         return drafts
+
+    def reset(self) -> None:
+        """Forget every sequence (after a failed decode, the KV is not what ``tokens`` says)."""
+        for seq, toks in enumerate(self.tokens):
+            self.ctx.seq_rm(seq, 0, -1)
+            toks.clear()
 
     def close(self) -> None:
         self.ctx.close()

@@ -261,3 +261,11 @@ def test_the_api_carries_the_per_request_switch():
     assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).sampling(16).speculative is True
     with pytest.raises(ValidationError):
         CompletionRequest(prompt="x", speculative="sometimes")
+
+
+def test_backend_sampling_does_not_draft(make_engine, model_path):
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = make_engine(n_parallel=2, cache_prompt=False)
+    e = make_engine(n_parallel=2, cache_prompt=False, backend_sampling=True, speculative=self_draft(model_path))
+    assert run(e, PROMPTS[2], greedy)[0] == run(plain, PROMPTS[2], greedy)[0]
+    assert spec_totals(e) == (0, 0)
