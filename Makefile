@@ -106,7 +106,7 @@ bench: install model-synthetic llama-server
 	LLAMA_SERVER_BIN=$(LLAMA_SERVER_DIR) $(PY) -m bench.run $(BENCH_ARGS)
 
 cluster-up: install
-	$(VENV)/bin/ray up -y cluster/two-sparks.yaml
+	RAY_UP_enable_autoscaler_v2=0 $(VENV)/bin/ray up -y cluster/two-sparks.yaml
 
 cluster-down: install
 	$(VENV)/bin/ray down -y cluster/two-sparks.yaml

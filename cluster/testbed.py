@@ -453,8 +453,13 @@ def ray_down() -> float:
     stop`` for the head, ssh for the peer (``ray down`` alone runs a bare ``ray stop``, which is
     not on the nodes' PATH, and then waits on the head's autoscaler, which keeps marking the
     nodes running). Returns the seconds it took."""
-    if not _ns_exists(HEAD.netns) or not (STATE / "two-sparks.yaml").exists():
+    if not _ns_exists(HEAD.netns) or not (STATE / "two-sparks.yaml").exists() or (STATE / "ray-down.done").exists():
         return 0.0
+    try:
+        init_pid(HEAD)
+    except (OSError, ValueError):
+        return 0.0  # the head's sshd is gone: nothing to run the commands from
+    (STATE / "ray-down.done").touch()
     t0 = time.monotonic()
     ray, cfg, out = ROOT / ".venv" / "bin" / "ray", STATE / "two-sparks.yaml", STATE / "ray-down.log"
     steps = [

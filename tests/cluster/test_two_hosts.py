@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import time
 
 import pytest
@@ -156,11 +157,13 @@ def test_bytes_per_decode_step_are_activations_not_logits(bed):
         "rpc_bytes_per_step_peer_to_head": round(from_peer_step),
         "link_bytes_per_decode_step": round(per_step_link),
     })
-    # the peer sends back one row of activations per step (the hidden state it computed) ...
-    assert from_peer_step >= activations, rows
-    # ... and never the logits: those stay on the head, which holds the output layer
-    assert per_step_rpc < logits / 10, rows
-    assert per_step_link < logits / 10, rows
+    # what comes back from the peer is its hidden state (a row of n_embd floats per step), and
+    # never the logits: those stay on the head, which holds the output layer
+    assert activations <= from_peer_step < logits / 20, rows
+    # head to peer: the input row plus the serialized graph of the peer's layers, which ggml
+    # RPC sends with every graph_compute; all told well below one row of logits
+    assert per_step_rpc < logits / 4, rows
+    assert per_step_link < logits / 4, rows
     # the RPC connection is the bulk of what crosses the link while decoding
     assert rows[long]["rpc"] <= rows[long]["link"], rows
 
@@ -184,8 +187,12 @@ def test_killing_the_peer_stage_recovers(bed):
 
 
 def test_ray_down_stops_both_nodes(bed):
-    bed.terminate()  # serve run (Ctrl-C equivalent: it is a driver of the cluster)
-    bed.wait(60)
+    os.killpg(bed.pid, signal.SIGINT)  # Ctrl-C to `serve run`: it shuts the app down
+    try:
+        bed.wait(90)
+    except subprocess.TimeoutExpired:
+        os.killpg(bed.pid, signal.SIGKILL)
+        bed.wait(10)
     FIGURES["ray_down_s"] = round(tb.ray_down(), 1)
     deadline = time.monotonic() + 30
     left: dict[str, list[int]] = {}
