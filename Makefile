@@ -86,11 +86,12 @@ model-synthetic: install
 serve: install model model-synthetic
 	$(VENV)/bin/python -m cluster.serve $(CONFIG)
 
+# tests/cluster is the two-host test bed: `make test-cluster` (root), run by .ci/run after this
 test: install model model-synthetic
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --ignore=tests/cluster $(PYTEST_ARGS)
 
 test-fast: install model model-synthetic
-	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
+	$(PY) -m pytest --ignore=tests/cluster -m "not e2e" $(PYTEST_ARGS)
 
 # The real `ray up` path of cluster/two-sparks.yaml on two hosts made on this machine (root,
 # Linux): network, mount and PID namespaces with sshd in each, a veth between them
