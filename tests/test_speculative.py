@@ -269,3 +269,12 @@ def test_backend_sampling_does_not_draft(make_engine, model_path):
     e = make_engine(n_parallel=2, cache_prompt=False, backend_sampling=True, speculative=self_draft(model_path))
     assert run(e, PROMPTS[2], greedy)[0] == run(plain, PROMPTS[2], greedy)[0]
     assert spec_totals(e) == (0, 0)
+
+
+def test_the_serve_args_take_the_speculative_key():
+    from deployments.app import AppArgs
+
+    args = AppArgs(speculative={"type": "ngram", "n_max": 4})
+    assert args.speculative.type == "ngram" and args.speculative.n_max == 4
+    with pytest.raises(ValidationError, match="needs model"):
+        AppArgs(speculative={"type": "draft"})
