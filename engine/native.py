@@ -215,10 +215,15 @@ def add_rpc_server(endpoint: str) -> list[str]:
 
 
 def local_device_name() -> str:
-    """The device that should hold the last layers and the output: the first GPU, else CPU."""
-    for d in list_devices():
-        if d.type in (1, 2) and not d.name.startswith("RPC"):  # a GPU of this node
-            return d.name
+    """The device that should hold the last layers and the output: the first GPU, else CPU.
+    Reads names and types only: asking a registered RPC device for its memory talks to its
+    server, and one that is gone aborts the process inside ggml."""
+    g = ggml()
+    for i in range(g.dev_count()):
+        dev = g.dev_get(i)
+        name = g.dev_name(dev).decode()
+        if g.dev_type(dev) in (1, 2) and not name.startswith("RPC"):  # a GPU of this node
+            return name
     return "CPU"
 
 
