@@ -209,8 +209,15 @@ def _node_script(node: Node, pybase: Path, wheels: Path) -> str:
     binds: list[tuple[Path, Path, bool]] = [(wheels, node.home / ".cache" / "pipeline-groups" / "wheels", True)]
     if pybase == h or h in pybase.parents:
         binds.append((pybase, node.home / pybase.relative_to(h), True))
-    lines = ["set -e", "mount --make-rprivate /",
-             f"mount --bind {shlex.quote(str(node.tmp))} /tmp",
+    lines = ["set -e", "mount --make-rprivate /"]
+    tmp = Path("/tmp")
+    if tmp in ROOT.parents:
+        # a checkout under /tmp: the node's own /tmp would hide it (and the node's directories in
+        # it), so the checkout is bound at its own path inside the node's /tmp first
+        inner = node.tmp / ROOT.relative_to(tmp)
+        inner.mkdir(parents=True, exist_ok=True)
+        lines.append(f"mount --bind {shlex.quote(str(ROOT))} {shlex.quote(str(inner))}")
+    lines += [f"mount --rbind {shlex.quote(str(node.tmp))} /tmp",
              # sshd's privilege separation directory, without touching the host's /run
              "mount -t tmpfs -o mode=755 tmpfs /run", "mkdir -p /run/sshd"]
     for src, dst, ro in binds:
