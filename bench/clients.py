@@ -68,10 +68,10 @@ def sampling(i: int, n_gen: int) -> dict:
             "max_tokens": n_gen, "ignore_eos": True}
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], clients: int, n_gen: int,
+def run_engine(engine: Engine, prompts: list[list[int]] | list[str], clients: int, n_gen: int,
                extra: Callable[[int], dict] | None = None) -> LoadResult:
     """Every prompt through the engine by ``clients`` threads; ``extra(i)``: more request
-    fields for prompt ``i``."""
+    fields for prompt ``i`` (over the defaults of ``sampling``)."""
     timings: list[RequestTiming] = []
     lock = threading.Lock()
     work = list(enumerate(prompts))
@@ -84,7 +84,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], clients: int, n_gen: in
                 i, p = work.pop(0)
             t = RequestTiming(ok=False, t_start=time.perf_counter())
             try:
-                for o in engine.stream(p, SamplingParams(**sampling(i, n_gen), **(extra(i) if extra else {}))):
+                for o in engine.stream(p, SamplingParams(**{**sampling(i, n_gen), **(extra(i) if extra else {})})):
                     now = time.perf_counter()
                     if o.n_tokens:
                         t.n_tokens += o.n_tokens

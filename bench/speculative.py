@@ -17,12 +17,11 @@ import json
 import random
 import statistics
 import sys
-import time
 
-from bench.clients import LoadResult, RequestTiming
+from bench.clients import LoadResult, run_engine
 from bench.run import ROOT
 from cluster import rpc_server
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig
 from engine.models import DEFAULT_MODEL
 from engine.speculative import SpeculativeConfig
 
@@ -59,40 +58,9 @@ STORY_ARMS = ("off", "ngram, always", f"ngram, max_rows {DEFAULT_MAX_ROWS}")
 
 
 def run(e: Engine, prompts: list[str], clients: int, sampled: bool = False) -> LoadResult:
-    import threading
-
-    timings: list[RequestTiming] = []
-    work = list(prompts)
-    lock = threading.Lock()
     # the free-text task is sampled (greedy text from a small model loops, and loops are easy
     # to draft): most of its drafts are rejected
-    params = SamplingParams(temperature=0.8 if sampled else 0.0, seed=7, max_tokens=N_GEN, ignore_eos=True)
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if not work:
-                    return
-                p = work.pop(0)
-            t = RequestTiming(ok=False, t_start=time.perf_counter())
-            for o in e.stream(p, params):
-                now = time.perf_counter()
-                if o.n_tokens:
-                    t.n_tokens += o.n_tokens
-                    t.t_first = t.t_first or now
-                    t.t_last = now
-                if o.finish_reason is not None:
-                    t.ok = o.finish_reason == "length"
-            with lock:
-                timings.append(t)
-
-    t0 = time.perf_counter()
-    ths = [threading.Thread(target=worker) for _ in range(clients)]
-    for th in ths:
-        th.start()
-    for th in ths:
-        th.join()
-    return LoadResult(time.perf_counter() - t0, timings)
+    return run_engine(e, prompts, clients, N_GEN, lambda i: {"seed": 7} if sampled else {"temperature": 0.0})
 
 
 def main(argv: list[str] | None = None) -> int:
