@@ -376,15 +376,25 @@ def head_python(code: str, timeout: float = 120, check: bool = True) -> subproce
               cwd=str(home() / "pipeline-groups"), timeout=timeout, check=check)
 
 
+MARK = "json: "
+
+
+def printed_json(stdout: str) -> object | None:
+    """What a head command printed as ``print(MARK + json.dumps(...))``: Ray may write its own
+    lines to stdout too, before or after it. None when it printed none."""
+    found = [ln[len(MARK):] for ln in stdout.splitlines() if ln.startswith(MARK)]
+    return json.loads(found[-1]) if found else None
+
+
 def wait_for_peer(timeout_s: float = 900) -> float:
     """Until the peer (set up by the head's autoscaler) has joined; returns the seconds waited."""
     code = ("import ray, json; ray.init(address='auto', logging_level='ERROR'); "
-            "print(json.dumps([[n['NodeManagerAddress'], n['Resources']] for n in ray.nodes() if n['Alive']]))")
+            f"print({MARK!r} + json.dumps([[n['NodeManagerAddress'], n['Resources']] for n in ray.nodes() if n['Alive']]))")
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         r = head_python(code, check=False)
-        if r.returncode == 0:
-            nodes = json.loads(r.stdout.strip().splitlines()[-1])
+        nodes = printed_json(r.stdout) if r.returncode == 0 else None
+        if nodes:
             if any(ip == PEER.ip and "stage_peer" in res for ip, res in nodes):
                 return time.monotonic() - t0
         time.sleep(5)

@@ -8,7 +8,6 @@ last one is ``ray down``."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -33,13 +32,13 @@ def completion(prompt: str, max_tokens: int, timeout: float = 120, check: bool =
         f"c = OpenAI(base_url='http://{tb.HEAD.ip}:{tb.HTTP_PORT}/v1', api_key='none', max_retries=0, timeout={timeout})\n"
         f"r = c.completions.create(model={MODEL_NAME!r}, prompt={prompt!r}, max_tokens={max_tokens}, "
         f"temperature=0, extra_body={extra!r})\n"
-        "print(json.dumps({'text': r.choices[0].text, 'prompt_tokens': r.usage.prompt_tokens, "
+        f"print({tb.MARK!r} + json.dumps({{'text': r.choices[0].text, 'prompt_tokens': r.usage.prompt_tokens, "
         "'completion_tokens': r.usage.completion_tokens}))\n"
     )
     r = tb.head_python(code, timeout=timeout + 30, check=check)
     if r.returncode != 0:
         return {"error": (r.stderr or r.stdout).strip().splitlines()[-1:]}
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return tb.printed_json(r.stdout)
 
 
 def model_shape() -> dict[str, int]:
@@ -80,8 +79,8 @@ def test_ray_up_makes_a_two_node_cluster_with_the_token_on_both(bed):
     for node in tb.NODES:
         assert (node.home / ".ray" / "auth_token").read_text().strip() == token, node.name
     code = ("import ray, json; ray.init(address='auto', logging_level='ERROR'); "
-            "print(json.dumps([[n['NodeManagerAddress'], sorted(n['Resources'])] for n in ray.nodes() if n['Alive']]))")
-    nodes = json.loads(tb.head_python(code).stdout.strip().splitlines()[-1])
+            f"print({tb.MARK!r} + json.dumps([[n['NodeManagerAddress'], sorted(n['Resources'])] for n in ray.nodes() if n['Alive']]))")
+    nodes = tb.printed_json(tb.head_python(code).stdout)
     by_ip = {ip: res for ip, res in nodes}
     assert set(by_ip) == {tb.HEAD.ip, tb.PEER.ip}, nodes
     assert "stage_local" in by_ip[tb.HEAD.ip] and "stage_peer" not in by_ip[tb.HEAD.ip]
