@@ -266,15 +266,8 @@ class PipelineGroup:
         n_keep = 0
         if leader is None and self.config.cache_prompt and r.cache_prompt and s.cache_tokens:
             n_keep = common_prefix(np.asarray(s.cache_tokens, np.int32), np.asarray(tokens, np.int32))
-        n_keep = min(n_keep, len(tokens) - 1)  # the last prompt token is always evaluated
-        if n_keep > 0 and self.ctx.seq_pos_min(s.seq_id) > max(0, n_keep - self.model.n_swa):
-            # sliding-window layers dropped positions the reused prefix would attend over
-            n_keep = 0
-        if n_keep < len(s.cache_tokens):
-            if not self.ctx.seq_rm(s.seq_id, n_keep, -1):
-                self.ctx.seq_rm(s.seq_id, 0, -1)
-                n_keep = 0
-            del s.cache_tokens[n_keep:]
+        # the last prompt token is always evaluated
+        n_keep = self.ctx.keep_prefix(s.seq_id, s.cache_tokens, min(n_keep, len(tokens) - 1))
         s.req = r
         backend = self.config.backend_sampling
         s.sampler = SamplerChain(r.params, self.n_vocab, self.config.seed, force_chain=backend,
@@ -298,12 +291,12 @@ class PipelineGroup:
         self.on_release(s.view(), False)
         return s
 
-    def _drafts(self) -> dict[int, list[int]]:
-        """This step's drafts (slot id -> tokens), when the group speculates this step."""
+    def _drafts(self, gen: list[Slot]) -> dict[int, list[int]]:
+        """This step's drafts (slot id -> tokens) for the generating slots ``gen``, when the
+        group speculates this step."""
         d, sc = self.drafter, self.spec
         if d is None or self.config.backend_sampling:  # rows sampled in the graph give one token
             return {}
-        gen = [s for s in self.active if s.state is SlotState.GENERATING]
         if not gen or len(gen) > sc.max_rows:
             return {}
         rows = []
@@ -327,12 +320,11 @@ class PipelineGroup:
             self.prof.add("draft", time.perf_counter() - t0)
         return {s.id: dr for (s, _, _), dr in zip(rows, drafts, strict=True) if len(dr) >= sc.n_min}
 
-    def _plan(self, drafts: dict[int, list[int]]) -> list[Entry]:
+    def _plan(self, gen: list[Slot], drafts: dict[int, list[int]]) -> list[Entry]:
         """This step's work: every generating slot's last token (and its draft, if any), then
         prompt chunks up to ``n_batch`` (in the order the slots became busy), laid out by
         sequence id."""
         entries: list[Entry] = []
-        gen = [s for s in self.active if s.state is SlotState.GENERATING]
         free = self.batch.capacity - len(gen)
         for s in gen:
             draft = drafts.get(s.id, ())[:free]
@@ -351,9 +343,10 @@ class PipelineGroup:
         """One step in five phases on this thread: draft, plan the batch, execute it, sample
         (and verify) its rows, post-process (detokenise, stop strings, finish) and send."""
         prof = self.prof
-        drafts = self._drafts()
+        gen = [s for s in self.active if s.state is SlotState.GENERATING]
+        drafts = self._drafts(gen)
         t0 = time.perf_counter()
-        entries = self._plan(drafts)
+        entries = self._plan(gen, drafts)
         rows = self._fill_batch(entries)
         n_tokens = self.batch.n_tokens
         n_ubatches = count_ubatches(entries, self.ctx.n_ubatch, self.config.kv_unified)

@@ -388,6 +388,19 @@ class Context:
     def seq_rm(self, seq_id: int, p0: int, p1: int = -1) -> bool:
         return bool(llama_cpp.llama_memory_seq_rm(self.memory, seq_id, p0, p1))
 
+    def keep_prefix(self, seq_id: int, cached: list[int], n_keep: int) -> int:
+        """Keep the first ``n_keep`` of a sequence's ``cached`` tokens in its KV and drop the rest
+        (``cached`` is cut to match); none when sliding-window layers dropped positions that
+        prefix would attend over, or the KV cannot be cut there. Returns how many were kept."""
+        if n_keep > 0 and self.seq_pos_min(seq_id) > max(0, n_keep - self.model.n_swa):
+            n_keep = 0
+        if n_keep < len(cached):
+            if not self.seq_rm(seq_id, n_keep, -1):
+                self.seq_rm(seq_id, 0, -1)
+                n_keep = 0
+            del cached[n_keep:]
+        return n_keep
+
     def seq_cp(self, src: int, dst: int) -> None:
         """Copy a whole sequence's KV to another (empty) sequence. With one KV stream per
         sequence llama.cpp copies the source's stream at the start of the next decode."""

@@ -13,9 +13,36 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.sampling import SamplerChain
-from engine.speculative import SpecState
 from engine.text import TextStream
 from engine.types import Request
+
+MAX_BACKOFF = 32  # steps a row waits at most before drafting again
+
+
+class SpecState:
+    """A slot's speculation state (its group's thread only)."""
+
+    __slots__ = ("skip", "misses")
+
+    def __init__(self) -> None:
+        self.skip = 0  # steps left without drafting
+        self.misses = 0  # drafts in a row that were all rejected
+
+    def reset(self) -> None:
+        self.skip = self.misses = 0
+
+    def wants(self) -> bool:
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted and not accepted:
+            self.misses += 1
+            self.skip = min(MAX_BACKOFF, 1 << (self.misses - 1))
+        elif accepted:
+            self.misses = 0
 
 
 class SlotState(enum.Enum):

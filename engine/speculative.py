@@ -33,10 +33,9 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.slots import common_prefix
+
 log = logging.getLogger(__name__)
-
-MAX_BACKOFF = 32
-
 
 class SpeculativeConfig(BaseModel):
     """``speculative:`` of the engine's configuration."""
@@ -76,32 +75,6 @@ class SpeculativeConfig(BaseModel):
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"speculative ngram_min ({self.ngram_min}) exceeds ngram_max ({self.ngram_max})")
         return self
-
-
-class SpecState:
-    """A slot's speculation state (its group's thread only)."""
-
-    __slots__ = ("skip", "misses")
-
-    def __init__(self) -> None:
-        self.skip = 0  # steps left without drafting
-        self.misses = 0  # drafts in a row that were all rejected
-
-    def reset(self) -> None:
-        self.skip = self.misses = 0
-
-    def wants(self) -> bool:
-        if self.skip > 0:
-            self.skip -= 1
-            return False
-        return True
-
-    def record(self, drafted: int, accepted: int) -> None:
-        if drafted and not accepted:
-            self.misses += 1
-            self.skip = min(MAX_BACKOFF, 1 << (self.misses - 1))
-        elif accepted:
-            self.misses = 0
 
 
 def ngram_draft(history: np.ndarray, n_min: int, n_max: int, limit: int) -> list[int]:
@@ -153,24 +126,13 @@ class ModelDrafter:
                            n_threads=n_threads, flash_attn=flash_attn)
         self.batch = Batch(n_batch)
         self.tokens: list[list[int]] = [[] for _ in range(n_seq)]  # per sequence: tokens in the KV
-        self.n_swa = model.n_swa
 
     def _sync(self, seq: int, history: list[int]) -> list[int]:
         """Trim the sequence's KV to its common prefix with ``history``; returns the tokens of
         ``history`` still to feed (at least the last one, whose logits give the first draft)."""
         have = self.tokens[seq]
-        n = min(len(have), len(history) - 1)
-        k = 0
-        while k < n and have[k] == history[k]:
-            k += 1
-        if k and self.ctx.seq_pos_min(seq) > max(0, k - self.n_swa if self.n_swa else 0):
-            k = 0  # sliding-window layers dropped positions the prefix would attend over
-        if k < len(have):
-            if not self.ctx.seq_rm(seq, k, -1):
-                self.ctx.seq_rm(seq, 0, -1)
-                k = 0
-            del have[k:]
-        return history[k:]
+        k = min(common_prefix(np.asarray(have, np.int32), np.asarray(history, np.int32)), len(history) - 1)
+        return history[self.ctx.keep_prefix(seq, have, k):]
 
     def _decode(self) -> None:
         self.ctx.decode(self.batch)

@@ -11,7 +11,8 @@ import pytest
 from pydantic import ValidationError
 
 from engine import EngineConfig, SamplingParams
-from engine.speculative import MAX_BACKOFF, SpecState, SpeculativeConfig, ngram_draft
+from engine.slots import MAX_BACKOFF, SpecState
+from engine.speculative import SpeculativeConfig, ngram_draft
 from observability.metrics import EngineMetrics
 
 PROMPTS = [
