@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from engine.grammar import JSON_OBJECT_SCHEMA, schema_to_grammar
+from engine.grammar import JSON_OBJECT_SCHEMA, GrammarSpec, check_source
 from engine.sampling import SamplingParams
 from engine.tools import check_tools, chosen, template_message
 
@@ -93,8 +93,9 @@ class _Common(BaseModel):
             raise ValueError("at most 16 stop strings")
         return v
 
-    def grammar_text(self) -> str | None:
-        """The one GBNF grammar the request asks for, from whichever field it used."""
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The one grammar the request asks for, from whichever field it used, checked against
+        the limits every grammar meets (``engine.grammar``)."""
         asked = [k for k in ("grammar", "json_schema") if getattr(self, k) is not None]
         rf = self.response_format
         kind = rf.get("type") if rf else None
@@ -103,18 +104,20 @@ class _Common(BaseModel):
         if len(asked) > 1:
             raise ValueError(f"set one of grammar, json_schema and response_format, not {' and '.join(asked)}")
         if self.grammar is not None:
-            return self.grammar
+            spec = GrammarSpec("gbnf", self.grammar)
+            check_source(spec)
+            return spec
         if self.json_schema is not None:
-            return schema_to_grammar(self.json_schema)
+            return GrammarSpec.of_schema(self.json_schema)
         if kind in (None, "text"):
             return None
         if kind == "json_object":
-            return schema_to_grammar(JSON_OBJECT_SCHEMA)
+            return GrammarSpec.of_schema(JSON_OBJECT_SCHEMA)
         if kind == "json_schema":
             spec = rf.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
                 raise ValueError("response_format.json_schema must be an object with a 'schema'")
-            return schema_to_grammar(spec.get("schema", {}), "response_format.json_schema.schema")
+            return GrammarSpec.of_schema(spec.get("schema", {}), "response_format.json_schema.schema")
         raise ValueError(f"response_format type {kind!r} is not one of text, json_object, json_schema")
 
     def sampling(self, default_max_tokens: int, max_tokens: int | None = None) -> SamplingParams:
@@ -123,7 +126,7 @@ class _Common(BaseModel):
             "max_tokens": max_tokens or self.max_tokens or n_predict or default_max_tokens,
             "stop": self.stop,
             "ignore_eos": self.ignore_eos,
-            "grammar": self.grammar_text(),
+            "grammar": self.grammar_spec(),
             "logprobs": self.n_logprobs(),
         }
         for k in SAMPLING_KEYS:
@@ -223,7 +226,7 @@ class ChatCompletionRequest(_Common):
             raise ValueError("top_logprobs needs logprobs: true")
         if self.tools is not None or self.tool_choice is not None:
             mode, _ = chosen(check_tools(self.tools or []), self.tool_choice)
-            if mode == "required" and (self.grammar_text() is not None):
+            if mode == "required" and (self.grammar_spec() is not None):
                 raise ValueError("a required or named tool_choice cannot be combined with grammar, json_schema or "
                                  "response_format")
         self.template_messages()  # tool calls in the conversation are well formed

@@ -127,6 +127,17 @@ class EngineConfig(BaseModel):
         "connection can race on the per-device last-graph id (LLAMA_GRAPH_REUSE_DISABLE).",
     )
     seed: int = Field(default=-1, description="Default sampling seed; -1 draws one per request.")
+    grammar_budget_s: float = Field(
+        default=5.0, gt=0, le=600,
+        description="Longest a request's grammar or JSON schema may take to compile (on a compile "
+        "thread, never a group's); past it the request gets a 400.",
+    )
+    step_budget_s: float = Field(
+        default=120.0, gt=0,
+        description="A group step (its decode, or its host work: sampling, grammar masks) that runs "
+        "this long means a thread stuck in native code: the engine reports itself unhealthy "
+        "(/health 503) and its replica is replaced. Well above the slowest step.",
+    )
     speculative: SpeculativeConfig | None = Field(
         default=None,
         description="Speculative decoding per group: {type: ngram|draft, model, n_max, n_min, p_min, "

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.grammar import check_grammar
+from engine.grammar import GrammarCompiler
 from engine.group import CancelMsg, PipelineGroup, SlotBusyError, SlotOpMsg, StartMsg
 from engine.native import Model, add_rpc_server, local_device_name
 from engine.sampling import SamplingParams
@@ -88,6 +88,7 @@ class Engine:
                 raise
         self.model_name = config.model_alias or Path(config.model).name
         self.tokenizer = Tokenizer(self.model, config.chat_template, config.chat_template_file)
+        self.grammars = GrammarCompiler(self.tokenizer, budget_s=config.grammar_budget_s)
         self.groups: list[PipelineGroup] = []
         per = config.n_slots_per_group
         self.slots = [Slot(id=i, group=i // per, seq_id=i % per) for i in range(config.n_parallel)]
@@ -178,20 +179,29 @@ class Engine:
         bad_bias = [t for t in params.logit_bias if t >= self.model.n_vocab]
         if bad_bias:
             raise RequestError(f"logit_bias token ids out of range: {bad_bias[:5]}")
-        if params.grammar:
-            check_grammar(self.model.vocab, params.grammar)  # a bad grammar is the request's 400
+        params = self._bounded(params)
+        # compiled here, on the caller's thread (never a group's): a bad grammar is the request's 400
+        grammar = self.grammars.compile(params.grammar) if params.grammar else None
         rid = request_id or uuid.uuid4().hex
         if n > 1 and params.seed is None:
             seed = self.config.seed if self.config.seed >= 0 else random.randrange(0, 2**32 - 1 - n)
             params = params.model_copy(update={"seed": seed})
         r = Request(id=rid, prompt_tokens=tokens, params=params, n_predict=min(params.max_tokens, room),
-                    cache_prompt=cache_prompt, id_slot=id_slot)
+                    cache_prompt=cache_prompt, id_slot=id_slot, grammar=grammar)
         for i in range(1, n):
             seed_i = (params.seed + i) % (2**32 - 1)
             r.followers.append(Request(id=f"{rid}#{i}", prompt_tokens=tokens, t_arrival=r.t_arrival,
                                        params=params.model_copy(update={"seed": seed_i}), n_predict=r.n_predict,
-                                       cache_prompt=False))
+                                       cache_prompt=False, grammar=grammar.copy() if grammar else None))
         return r
+
+    def _bounded(self, params: SamplingParams) -> SamplingParams:
+        """Look-back windows at most the slot's context: the penalty and DRY samplers size their
+        buffers by them, on the group thread where the group's other rows wait."""
+        cap = self.n_ctx_slot
+        update = {k: cap for k in ("repeat_last_n", "dry_penalty_last_n")
+                  if getattr(params, k) < 0 or getattr(params, k) > cap}
+        return params.model_copy(update=update) if update else params
 
     def submit(self, r: Request) -> None:
         """Queue a request; raises ``QueueFullError`` when the wait queue is full."""
@@ -319,6 +329,7 @@ class Engine:
             return
         for g in self.groups:
             g.close()
+        self.grammars.close()
         if self.draft_model is not None:
             self.draft_model.close()
         self.model.close()

@@ -272,7 +272,7 @@ class PipelineGroup:
         backend = self.config.backend_sampling
         s.sampler = SamplerChain(r.params, self.n_vocab, self.config.seed, force_chain=backend,
                                  banned=self.tok.eog_tokens if r.params.ignore_eos else (),
-                                 vocab=self.model.vocab)
+                                 vocab=self.model.vocab, grammar=r.grammar)
         s.sampler.accept_prompt(tokens)
         # a family samples on the host: its followers' first token comes from the leader's row
         if backend and s.sampler.offloadable and not r.followers and leader is None:

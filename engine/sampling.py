@@ -18,12 +18,16 @@ import llama_cpp
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.grammar import MAX_GRAMMAR_BYTES, GrammarDeadEnd, GrammarSpec, GrammarState
+
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")], align=True)
 assert TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
 
 
 # llama-server's sampler names (and the aliases it accepts) -> the names the chain uses
 SAMPLER_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+MAX_STOP_CHARS = 256  # a stop string or DRY sequence breaker
+
 SAMPLER_NAMES = {**{s: s for s in SAMPLER_ORDER}, "typical_p": "typ_p", "temp": "temperature", "nucleus": "top_p"}
 
 
@@ -38,11 +42,12 @@ class SamplingParams(BaseModel):
     top_p: float = Field(default=0.95, gt=0.0, le=1.0)
     min_p: float = Field(default=0.05, ge=0.0, le=1.0)
     repeat_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
-    repeat_last_n: int = Field(default=64, ge=-1)
+    repeat_last_n: int = Field(default=64, ge=-1, description="Tokens the repetition penalties look back over; -1 "
+                               "the slot's context (and never more than it).")
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(default=None, ge=0, le=2**32 - 2)
-    stop: tuple[str, ...] = Field(default=(), max_length=16)
+    stop: tuple[str, ...] = Field(default=(), max_length=16)  # each at most MAX_STOP_CHARS
     logit_bias: dict[int, float] = Field(default_factory=dict, max_length=1024)
     ignore_eos: bool = False
     # llama-server's further samplers; their defaults leave them out of the chain
@@ -54,7 +59,7 @@ class SamplingParams(BaseModel):
     dry_multiplier: float = Field(default=0.0, ge=0.0, le=100.0, description="DRY repetition penalty strength; 0 is off.")
     dry_base: float = Field(default=1.75, ge=1.0, le=10.0, description="DRY: base of the penalty's growth.")
     dry_allowed_length: int = Field(default=2, ge=0, le=10_000, description="DRY: repeats up to this long go unpenalised.")
-    dry_penalty_last_n: int = Field(default=-1, ge=-1, description="DRY: tokens looked back over; -1 the whole context.")
+    dry_penalty_last_n: int = Field(default=-1, ge=-1, description="DRY: tokens looked back over; -1 the slot's context (and never more than it).")
     dry_sequence_breakers: tuple[str, ...] = Field(default=("\n", ":", '"', "*"), max_length=64,
                                                    description="DRY: strings that end a repeated sequence.")
     dynatemp_range: float = Field(default=0.0, ge=0.0, le=2.0, description="Dynamic temperature: +- this range by entropy; 0 is off.")
@@ -67,7 +72,9 @@ class SamplingParams(BaseModel):
         description="Order of the samplers (llama-server's names: penalties, dry, top_n_sigma, top_k, typ_p, top_p, "
         "min_p, xtc, temperature); those left out are not used. Default: that order.",
     )
-    grammar: str | None = Field(default=None, max_length=1_000_000, description="GBNF the output must match.")
+    grammar: GrammarSpec | None = Field(
+        default=None, description="The grammar the output must match: GBNF (a string), or a GrammarSpec "
+        "(GBNF, Lark or a JSON schema).")
     logprobs: int | None = Field(
         default=None, ge=0, le=20,
         description="Report each generated token's log probability and this many most likely alternatives.",
@@ -85,6 +92,22 @@ class SamplingParams(BaseModel):
             return ()
         if isinstance(v, str):
             return (v,)
+        return v
+
+    @field_validator("grammar", mode="before")
+    @classmethod
+    def _grammar(cls, v: object) -> object:
+        if isinstance(v, str):
+            if len(v) > MAX_GRAMMAR_BYTES:
+                raise ValueError(f"the grammar is longer than {MAX_GRAMMAR_BYTES} characters")
+            return GrammarSpec("gbnf", v)
+        return v
+
+    @field_validator("stop", "dry_sequence_breakers")
+    @classmethod
+    def _short_strings(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(len(x) > MAX_STOP_CHARS for x in v):
+            raise ValueError(f"each string may be at most {MAX_STOP_CHARS} characters")
         return v
 
     @field_validator("logit_bias")
@@ -162,21 +185,6 @@ class Candidates:
             sorted=False,
         )
         self._ref = ctypes.byref(self.struct)
-        self._one = np.zeros(1, TOKEN_DATA)
-        self._one_struct = llama_cpp.llama_token_data_array(
-            data=self._one.ctypes.data_as(llama_cpp.llama_token_data_p), size=1, selected=-1, sorted=False
-        )
-        self._one_ref = ctypes.byref(self._one_struct)
-
-    def allows(self, grammar: object, token: int, logit: float) -> bool:
-        """Whether the grammar accepts ``token`` next (it is checked alone, not the vocabulary)."""
-        one = self._one
-        one[0] = (token, logit, 0.0)
-        s = self._one_struct
-        s.data = one.ctypes.data_as(llama_cpp.llama_token_data_p)
-        s.size, s.selected, s.sorted = 1, -1, False
-        llama_cpp.llama_sampler_apply(grammar, self._one_ref)
-        return bool(np.isfinite(one[0]["logit"]))
 
     def fill(self, row: np.ndarray) -> ctypes._CArgObject:
         a = self.arr
@@ -213,8 +221,11 @@ class SamplerChain:
         force_chain: bool = False,
         banned: list[int] | tuple[int, ...] = (),
         vocab: object = None,
+        grammar: GrammarState | None = None,
     ) -> None:
-        """``banned`` tokens are never sampled (``ignore_eos`` bans every end-of-generation token)."""
+        """``banned`` tokens are never sampled (``ignore_eos`` bans every end-of-generation token)
+        but where ``grammar``, the request's compiled grammar, allows nothing else: its end
+        ends the output."""
         self.params = params
         self.n_vocab = n_vocab
         self.vocab = vocab
@@ -230,7 +241,7 @@ class SamplerChain:
             seed = default_seed if default_seed >= 0 else random.randrange(0, 2**32 - 1)
         self.seed = seed
         self.ptr = None
-        self.grammar = None
+        self.grammar = grammar
         if self.greedy:
             return
         sp = llama_cpp.llama_sampler_chain_default_params()
@@ -241,14 +252,8 @@ class SamplerChain:
         self.ptr = chain
         try:
             self._build(chain, params, n_vocab, seed)
-            if params.grammar:
-                from engine.grammar import init_grammar
-
-                if vocab is None:
-                    raise ValueError("a grammar needs the model's vocabulary")
-                self.grammar = init_grammar(vocab, params.grammar)
         except BaseException:
-            self.close()  # the chain with the samplers already added to it, and the grammar
+            self.close()  # the chain with the samplers already added to it
             raise
 
     def _build(self, chain: object, params: SamplingParams, n_vocab: int, seed: int) -> None:
@@ -321,11 +326,25 @@ class SamplerChain:
             return int(np.argmax(row))
         cand = thread_candidates(self.n_vocab)
         tok = self._pick(cand, cand.fill(row))
-        if self.grammar is not None and not cand.allows(self.grammar, tok, row[tok]):
-            # rejected: the grammar masks every candidate, then the chain picks again
-            ref = cand.fill(row)
-            llama_cpp.llama_sampler_apply(self.grammar, ref)
-            tok = self._pick(cand, ref)
+        g = self.grammar
+        if g is None or g.allows(tok):
+            return tok
+        # rejected: the grammar's mask over every candidate, then the chain picks again
+        allowed = g.refresh_mask()
+        open_ = allowed
+        if len(self.banned):
+            open_ = allowed.copy()
+            open_[self.banned] = False
+        if not open_.any():
+            ends = [int(t) for t in self.banned if allowed[t]]
+            if ends and g.accepting:
+                return ends[0]  # the grammar is complete: its end ends the output, ignore_eos or not
+            raise GrammarDeadEnd("the grammar allows no token at this point of the output")
+        ref = cand.fill(row)
+        np.copyto(cand.arr["logit"], -np.inf, where=~allowed)
+        tok = self._pick(cand, ref)
+        if not open_[tok]:
+            raise GrammarDeadEnd(f"the sampler chain picked token {tok}, which the grammar refuses")
         return tok
 
     def _pick(self, cand: Candidates, ref: object) -> int:
@@ -346,12 +365,10 @@ class SamplerChain:
         if self.ptr is not None:
             llama_cpp.llama_sampler_accept(self.ptr, token)
         if self.grammar is not None:
-            llama_cpp.llama_sampler_accept(self.grammar, token)
+            self.grammar.accept(token)
 
     def close(self) -> None:
         if self.ptr is not None:
             llama_cpp.llama_sampler_free(self.ptr)
             self.ptr = None
-        if self.grammar is not None:
-            llama_cpp.llama_sampler_free(self.grammar)
-            self.grammar = None
+        self.grammar = None

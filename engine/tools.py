@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from engine.grammar import schema_to_grammar
+from engine.grammar import GrammarSpec, check_schema, closed_objects, json_options
 from engine.types import RequestError
 
 MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
@@ -140,29 +140,29 @@ class ToolPlan:
             return [{**out[0], "content": out[0]["content"] + "\n\n" + prompt}, *out[1:]]
         return [{"role": "system", "content": prompt}, *out]
 
-    def grammar(self) -> str | None:
-        """For ``required`` or a named function: the grammar of the format's call syntax."""
+    def grammar(self) -> GrammarSpec | None:
+        """For ``required`` or a named function: the grammar of the format's call syntax (Lark,
+        the arguments as JSON schemas inside it)."""
         if self.mode != "required":
             return None
         key = "parameters" if self.format is ToolFormat.LLAMA3 else "arguments"
         calls = [_call_schema(t["function"], key) for t in self.offered()]
-        rules = schema_to_grammar(calls[0] if len(calls) == 1 else {"anyOf": calls}, "tools")
-        rules = re.sub(r"^root ::=", "call ::=", rules, count=1, flags=re.M)
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        check_schema(schema, "tools")
         many = self.parallel and self.forced_name is None
 
         def more(sep: str, item: str) -> str:  # further calls; a model that loops stops at MAX_CALLS
             return f" ({sep} {item}){{0,{MAX_CALLS - 1}}}" if many else ""
 
         if self.format is ToolFormat.MISTRAL:
-            top = '"[TOOL_CALLS][" call' + more('"," space', "call") + ' "]"'
+            top = '"[TOOL_CALLS][" call' + more('"," " "?', "call") + ' "]"'
         elif self.format is ToolFormat.LLAMA3:
             top = "call" + more('"\\n"', "call")
         else:
             one = '"<tool_call>\\n" call "\\n</tool_call>"'
             top = one + more('"\\n"', one)
-        if not re.search(r"^space ::=", rules, flags=re.M):
-            rules += '\nspace ::= | " " | "\\n" [ \\t]{0,20}'
-        return f"root ::= {top}\n{rules}"
+        body = json.dumps({**closed_objects(schema), "x-guidance": json_options()})
+        return GrammarSpec("lark", f"start: {top}\ncall: %json {body}\n")
 
 
 def _call_schema(fn: dict[str, Any], key: str) -> dict[str, Any]:

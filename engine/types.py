@@ -5,17 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+from engine.errors import QueueFullError, RequestError  # noqa: F401 - their home is engine.errors
 from engine.sampling import SamplingParams
-
-
-class RequestError(ValueError):
-    """The request cannot be served as asked (HTTP 400)."""
-
-
-class QueueFullError(RuntimeError):
-    """Every slot is busy and the wait queue is full (HTTP 429)."""
 
 
 SHUTTING_DOWN = "the server is shutting down; retry the request"
@@ -51,6 +44,8 @@ class Request:
     # and its KV copied to theirs before each samples its first token from the same logits.
     followers: list[Request] = field(default_factory=list)
     id_slot: int = -1  # llama-server's id_slot: run on this slot (waiting until it is free); -1: any
+    # the compiled grammar of params.grammar (GrammarState), consumed by the slot that runs it
+    grammar: Any = None
 
     @property
     def family(self) -> list[Request]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import llama_cpp
@@ -21,6 +22,11 @@ PROMPTS = [
 N_GEN = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=N_GEN, ignore_eos=True)
 N_CTX_SLOT = 1024
+
+
+# llama.cpp's kernels differ by CPU (AVX2 and AVX-512 pick others) and by context geometry, and
+# round a row differently: a greedy choice between two tokens closer than this may flip
+NEAR_TIE = 0.3  # logits (nats) between the chosen token and the best one
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +51,27 @@ def oracle(gemma_path: str) -> dict[str, tuple[int, str]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def judge(gemma_path: str) -> Iterator[Callable[[str, list[int]], tuple[int, float]]]:
+    """llama.cpp's logits along a generated sequence (teacher forcing): for each token, how far
+    its logit is below the best one at that position. Returns the tokens that were not the
+    best and the largest gap; greedy output that equals llama.cpp's up to rounding has gaps
+    only at near ties."""
+    llm = llama_cpp.Llama(gemma_path, n_ctx=N_CTX_SLOT, n_batch=512, n_threads=2, flash_attn=False,
+                          swa_full=False, verbose=False, logits_all=True)
+
+    def gaps(prompt: str, tokens: list[int]) -> tuple[int, float]:
+        toks = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+        llm.reset()
+        llm.eval(toks + tokens)
+        rows = np.asarray(llm.scores[len(toks) - 1 : len(toks) - 1 + len(tokens)], dtype=np.float64)
+        gap = rows.max(axis=1) - rows[np.arange(len(tokens)), tokens]
+        return int((gap > 0).sum()), float(gap.max())
+
+    yield gaps
+    llm.close()
+
+
 def _run(engine) -> dict[str, tuple[int, str]]:
     def one(p: str) -> tuple[int, str]:
         c = engine.generate(p, GREEDY)
@@ -54,11 +81,21 @@ def _run(engine) -> dict[str, tuple[int, str]]:
 
 
 @pytest.mark.parametrize("groups", [1, 2])
-def test_greedy_text_equals_llama_cpp(make_gemma, oracle, groups):
+def test_greedy_text_equals_llama_cpp_up_to_near_ties(make_gemma, oracle, judge, groups):
     # requests one at a time: llama.cpp's greedy output is not batch-invariant
     e = make_gemma(n_parallel=2 * groups, n_ctx=2 * groups * N_CTX_SLOT, pipeline_groups=groups, cache_prompt=False)
     got = _run(e)
-    assert got == oracle
+    assert [n for n, _ in got.values()] == [n for n, _ in oracle.values()]  # the same prompt tokens
+    identical = 0
+    for p in PROMPTS:
+        tokens = [t for o in e.stream(p, GREEDY) for t in o.tokens]
+        assert len(tokens) == N_GEN
+        flips, worst = judge(p, tokens)
+        # every token is llama.cpp's best, or within a near tie of it (measured, not assumed)
+        assert worst < NEAR_TIE, (p, flips, worst)
+        assert flips <= 2, (p, flips)
+        identical += got[p][1] == oracle[p][1]
+    assert identical >= len(PROMPTS) - 2, identical
     assert all(len(text) > 10 for _, text in got.values())
 
 
