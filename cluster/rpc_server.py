@@ -31,6 +31,23 @@ def command(host: str, port: int, threads: int = 0, devices: list[str] | None = 
     return cmd
 
 
+def private_dir(path: str) -> str:
+    """``path`` (``~`` expanded) made if missing, readable and writable by this user only. The
+    server loads tensors from its cache by hash without checking who wrote them: a folder that
+    another user can write (``/tmp/...``) lets them plant weights, so it is refused."""
+    import stat
+
+    p = os.path.abspath(os.path.expanduser(path))
+    os.makedirs(p, mode=0o700, exist_ok=True)
+    st = os.stat(p)
+    if st.st_uid != os.getuid():
+        sys.exit(f"rpc cache_dir {p} belongs to another user (uid {st.st_uid}); choose a folder of your own")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        sys.exit(f"rpc cache_dir {p} is writable by other users, who could plant tensors in it; "
+                 f"choose a private folder (default ~/.cache/pipeline-groups/rpc) or chmod 700 it")
+    return p
+
+
 def launch(host: str, port: int, threads: int = 1, timeout_s: float = 60.0,
            preexec_fn: Callable[[], None] | None = None, **kw: object) -> subprocess.Popen:
     """Start a server process and return once it listens (read from the kernel, not by connecting:
@@ -75,9 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     arr = (ctypes.c_void_p * len(devs))(*devs)
     threads = a.threads or (os.cpu_count() or 1)
     endpoint = f"{a.host}:{a.port}"
-    cache = a.cache_dir.encode() if a.cache_dir else None
-    if a.cache_dir:
-        os.makedirs(a.cache_dir, exist_ok=True)
+    cache_dir = private_dir(a.cache_dir) if a.cache_dir else None
+    cache = cache_dir.encode() if cache_dir else None
     print(f"rpc stage serving {names} on {endpoint} with {threads} threads", flush=True)
     g.rpc.ggml_backend_rpc_start_server(endpoint.encode(), cache, threads, len(devs), arr)
 

@@ -76,6 +76,45 @@ def pairs_in(config: str) -> int:
     return most
 
 
+def check_config(config: str) -> list[str]:
+    """What is wrong with a Serve config, before any process starts: the file, Serve's own
+    schema, and each application's args as ``build_app`` validates them (pydantic's message,
+    which names the key). Empty: nothing found."""
+    import yaml
+    from pydantic import ValidationError
+
+    try:
+        cfg = yaml.safe_load(Path(config).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        return [f"{config}: {e}"]
+    if not isinstance(cfg, dict):
+        return [f"{config}: a Serve config is a mapping (http_options, applications, ...)"]
+    problems = []
+    try:
+        from ray.serve.schema import ServeDeploySchema
+
+        ServeDeploySchema.model_validate(cfg) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(cfg)
+    except Exception as e:  # Serve's schema: unknown or mistyped top-level keys
+        problems.append(f"{config}: {e}")
+    from deployments.app import AppArgs, check_exposure
+
+    host = str((cfg.get("http_options") or {}).get("host", "127.0.0.1"))
+    for app in cfg.get("applications") or []:
+        if not isinstance(app, dict) or app.get("import_path") != "deployments.app:build_app":
+            continue
+        name = app.get("name", "?")
+        try:
+            a = AppArgs.model_validate(app.get("args") or {})
+            check_exposure(host, a)
+        except ValidationError as e:
+            for err in e.errors():
+                key = ".".join(str(x) for x in err.get("loc", ()))
+                problems.append(f"application {name!r}, args.{key}: {err.get('msg')}")
+        except ValueError as e:
+            problems.append(f"application {name!r}: {e}")
+    return problems
+
+
 def _default_sigint() -> None:
     # a launcher started in the background has SIGINT ignored, and a child inherits that
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -87,8 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default=None, help="existing Ray cluster; default: start a local one")
     p.add_argument("--drain-s", type=float, default=5.0,
                    help="on stop, seconds running requests get to finish before they are cut")
+    p.add_argument("--check", action="store_true", help="only validate the config, then exit (0: valid)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    problems = check_config(a.config)
+    for line in problems:
+        log.error("invalid config: %s", line)
+    if problems or a.check:
+        return 2 if problems else 0
     started = a.address is None
     if started:
         local_cluster.stop()

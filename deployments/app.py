@@ -96,6 +96,12 @@ class AppArgs(EngineConfig):
     model: str = Field(default=str(DEFAULT_MODEL), description="GGUF file on the local node [-m]; default: Gemma 3 270M (`make model`).")
     rpc: RpcArgs | None = Field(default=None, description="The peer stage [--rpc]; absent or disabled: no split.")
     api_key: str | None = Field(default=None, description="Require 'Authorization: Bearer <key>' on every endpoint but /health [--api-key].")
+    allow_unauthenticated: bool = Field(
+        default=False,
+        description="Serve without api_key on every interface (http_options.host 0.0.0.0 or ::). "
+        "Off: such a config is refused at start; another non-loopback address without a key is "
+        "served with a warning in the log.",
+    )
     request_timeout_s: float | None = Field(default=None, gt=0, description="Cancel a request that runs longer [--timeout].")
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, description="Largest accepted request body.")
     stage_timeout_s: float = Field(
@@ -141,11 +147,49 @@ def _ensure_model(path: str) -> None:
         raise FileNotFoundError(f"model file not found: {path}")
 
 
+def check_exposure(host: str | None, a: AppArgs) -> None:
+    """An API anyone on the network may use is a choice the config must make: every interface
+    without a key is refused unless ``allow_unauthenticated``; another non-loopback address
+    without a key is logged loudly."""
+    if host is None or a.api_key:
+        return
+    if is_wildcard(host):
+        if not a.allow_unauthenticated:
+            raise ValueError(
+                f"http_options.host {host!r} serves every interface and the app has no api_key: anyone who "
+                "reaches the port can use the model. Set api_key, bind a private address, or set "
+                "allow_unauthenticated: true in the app's args")
+        log.warning("SERVING WITHOUT AN API KEY ON EVERY INTERFACE (%s), as allow_unauthenticated asks", host)
+        return
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        log.warning("SERVING WITHOUT AN API KEY ON %s: anyone who reaches this address can use the model; "
+                    "set api_key in the app's args to require one", host)
+
+
+def _http_host() -> str | None:
+    """The address Serve's HTTP proxies bind (asked of the controller; None outside Serve)."""
+    try:
+        import ray
+        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+        if not ray.is_initialized():
+            return None
+        ctrl = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        return str(ray.get(ctrl.get_http_config.remote(), timeout=10).host)
+    except Exception:  # not in a Serve application build
+        return None
+
+
 def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
     from deployments.engine_deployment import EngineDeployment
     from deployments.ingress import Ingress
 
     a = AppArgs.model_validate(args or {})
+    check_exposure(_http_host(), a)
     _ensure_model(a.model)
     endpoints: list[str] = []
     pairs = a.rpc is not None and a.rpc.enabled and a.rpc.per_replica

@@ -484,8 +484,9 @@ class EngineDeployment:
     def check_health(self) -> None:
         if self._failed is not None:
             raise RuntimeError(self._failed)
-        if not self.engine.healthy:
-            raise RuntimeError("engine unhealthy: a pipeline group stopped")
+        problem = self.engine.problem()
+        if problem is not None:
+            raise RuntimeError(f"engine unhealthy: {problem}")
 
     def __del__(self) -> None:
         eng = getattr(self, "engine", None)

@@ -40,6 +40,7 @@ from deployments.protocol import (
     error_type,
     llama_final,
     now,
+    parse_body,
 )
 from deployments.router import known_replicas, prefix_hashes, routing_text
 from deployments.shaping import (
@@ -117,6 +118,13 @@ def err_response(status: int, message: str, param: str | None = None, headers: d
 @app.exception_handler(HTTPError)
 async def _http_error(_request: Request, e: HTTPError) -> JSONResponse:
     return err_response(e.status, e.message, e.param, e.headers)
+
+
+@app.exception_handler(Exception)
+async def _internal_error(_request: Request, e: Exception) -> JSONResponse:
+    """Whatever else fails is a 500 in OpenAI's error shape (the log has the traceback)."""
+    log.error("request failed: %r", e, exc_info=e)
+    return err_response(500, f"internal error: {type(e).__name__}")
 
 
 def _validation_message(e: ValidationError) -> str:
@@ -352,12 +360,9 @@ class Ingress:
         if raw is None:
             raw = await self._read_body(request)
         try:
-            body = await _sized(len(raw), json.loads, raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise HTTPError(400, f"the body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise HTTPError(400, "the body must be a JSON object")
-        return body
+            return await _sized(len(raw), parse_body, raw)
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
 
     def _check_model(self, name: str | None) -> None:
         if name and name not in self.model_names:
@@ -407,7 +412,11 @@ class Ingress:
         if p.conn not in self._streams.values():  # its stream ended while it was submitted
             self._fail_stream(p.conn)
         p.echo = res.get("echo")  # completions' echo: the prompt's text comes first
-        resp = await self._answer(kind, rid, p, api_req, req, res)
+        try:
+            resp = await self._answer(kind, rid, p, api_req, req, res)
+        except BaseException:  # nobody will read its outputs: the engine stops generating them
+            await self._release(rid)
+            raise
         resp.headers["x-engine-replica"] = p.replica  # which engine replica (pair) served it
         return resp
 
@@ -417,20 +426,34 @@ class Ingress:
         if kind == "llama":
             want_tokens = bool(getattr(req, "return_tokens", False))
             if req.stream:
-                return _event_stream(self._llama_sse(rid, p.queue, model, want_tokens),
-                                     BackgroundTask(self._release, rid))
+                return self._stream(rid, self._llama_sse(rid, p.queue, model, want_tokens))
             return await self._llama_collect(rid, p.queue, model, want_tokens)
         if kind == "responses":
             shaper = ResponsesShaper(rid, model, api_req)
             if req.stream:
-                return _event_stream(self._responses_sse(rid, p.queue, shaper), BackgroundTask(self._release, rid))
+                return self._stream(rid, self._responses_sse(rid, p.queue, shaper))
             return await self._responses_collect(rid, p.queue, shaper)
         tools = res.get("tools")  # the tool-call parser's settings, when the request has tools
         choices = [Choice(i, kind, req.n_logprobs() is not None, tools) for i in range(req.n)]
         if req.stream:
-            return _event_stream(self._sse(rid, p.queue, kind, model, req.include_usage, choices),
-                                 BackgroundTask(self._release, rid))
+            return self._stream(rid, self._sse(rid, p.queue, kind, model, req.include_usage, choices))
         return await self._collect(rid, p.queue, kind, model, choices)
+
+    def _stream(self, rid: str, events: AsyncIterator[bytes]) -> StreamingResponse:
+        return _event_stream(self._guarded(rid, events), BackgroundTask(self._release, rid))
+
+    async def _guarded(self, rid: str, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """A stream that ends with an error event, not a dropped connection, when shaping an
+        event fails after the first byte, and releases its request however it ends."""
+        try:
+            async for chunk in events:
+                yield chunk
+        except Exception as e:
+            log.exception("stream of %s failed", rid)
+            msg = f"the stream failed: {type(e).__name__}"
+            yield b"data: " + json.dumps(error_body(msg, error_type(500), 500)).encode() + b"\n\n" + DONE
+        finally:
+            await self._release(rid)
 
     async def _release(self, rid: str) -> None:
         """Forget a request (every choice); cancel it in the engine unless it finished."""

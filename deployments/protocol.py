@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -13,6 +14,39 @@ from engine.sampling import SamplingParams
 from engine.tools import check_tools, chosen, template_message
 
 MAX_PROMPT_CHARS = 1_000_000
+MAX_JSON_DEPTH = 64  # objects and arrays inside each other in a request body
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body as JSON, or ``ValueError`` with what is wrong: not JSON, not an object,
+    nested deeper than ``MAX_JSON_DEPTH``, or holding text that is not Unicode (a lone
+    surrogate escape such as ``"\\ud800"`` parses, but no answer that echoes it could be
+    encoded)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ValueError(f"the body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"the body nests deeper than {MAX_JSON_DEPTH} levels")
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in items:
+            for text in (k, v):
+                if isinstance(text, str) and not text.isascii():
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise ValueError("the body holds a lone surrogate (\\ud800-\\udfff escape) that is "
+                                         "not text") from None
+            if isinstance(v, dict | list):
+                stack.append((v, depth + 1))
+    return body
 
 
 def _sampling(name: str) -> Any:

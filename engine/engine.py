@@ -304,7 +304,26 @@ class Engine:
 
     @property
     def healthy(self) -> bool:
-        return not self._closed and all(g.alive for g in self.groups)
+        return self.problem() is None
+
+    def problem(self) -> str | None:
+        """Why the engine cannot serve (None: it can): closed, a group dead, or a group's step
+        stuck past ``step_budget_s`` (a thread in native code that does not return)."""
+        if self._closed:
+            return "the engine is closed"
+        dead = [g.error or f"pipeline group {g.index} stopped" for g in self.groups if not g.alive]
+        if dead:
+            return "; ".join(dead)
+        stuck = self.stuck_for()
+        if stuck > self.config.step_budget_s:
+            return (f"a pipeline group's step has not returned for {stuck:.0f} s (step_budget_s "
+                    f"{self.config.step_budget_s:g}): a thread is stuck in native code")
+        return None
+
+    def stuck_for(self) -> float:
+        """Seconds the longest step in progress has run (0.0 when none runs)."""
+        now = time.monotonic()
+        return max((now - g.step_since for g in self.groups if g.step_since), default=0.0)
 
     def profiles(self) -> list:
         return [g.prof.snapshot for g in self.groups]

@@ -25,6 +25,7 @@ throws through the C boundary (the process aborts). The README has the measureme
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import time
@@ -36,6 +37,8 @@ from typing import Any, Literal
 import numpy as np
 
 from engine.errors import RequestError
+
+log = logging.getLogger(__name__)
 
 GrammarKind = Literal["gbnf", "lark", "json_schema"]
 
@@ -264,6 +267,11 @@ class GrammarCompiler:
                     self.overrun += 1
                 fut.add_done_callback(self._back)
                 raise RequestError(f"the grammar took longer than {self.budget_s:g} s to compile; simplify it") from None
+            except RequestError:
+                raise
+            except Exception as e:  # whatever else a hostile grammar makes the compiler raise
+                log.warning("grammar compilation failed: %r", e)
+                raise RequestError(f"the grammar cannot be compiled: {_short(str(e))}") from None
         except RequestError:
             self.refused += 1
             raise
@@ -283,7 +291,11 @@ class GrammarCompiler:
         if m.is_error():
             raise RequestError(f"the grammar does not parse: {_short(m.get_error())}")
         state = GrammarState(m, self.n_vocab)
-        if not state.refresh_mask().any():
+        try:
+            first = state.refresh_mask()
+        except GrammarDeadEnd as e:
+            raise RequestError(f"the grammar allows no token of this model's vocabulary at its start: {e}") from None
+        if not first.any():
             raise RequestError("the grammar allows no token of this model's vocabulary at its start")
         state.compile_s = time.perf_counter() - t0
         return state

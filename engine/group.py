@@ -25,6 +25,7 @@ import numpy as np
 
 from engine.batching import Entry, count_ubatches, order_entries
 from engine.config import EngineConfig
+from engine.grammar import GrammarDeadEnd
 from engine.native import Batch, Context, Model, NativeError
 from engine.sampling import SamplerChain, token_logprobs
 from engine.slots import Slot, SlotState, SlotView, common_prefix
@@ -127,13 +128,16 @@ class PipelineGroup:
         )
         self.prof = GroupProfiler(index, kv_total=self.ctx.n_ctx, enabled_log=config.profile)
         self.active: list[Slot] = []
-        self._row_errors: dict[int, str] = {}  # slot id -> why its sampler failed this step
+        self._row_errors: dict[int, tuple[str, int]] = {}  # slot id -> why its sampler failed this step, status
         self._row_logprobs: dict[int, list] = {}  # slot id -> this step's token logprobs, in order
         self.alive = True
         self.error: str | None = None
         # when the decode in progress began (time.monotonic), 0.0 between decodes: a decode
         # that never returns (a frozen peer) is seen from outside by this
         self.decode_since = 0.0
+        # when the step in progress began, 0.0 between steps: a step stuck in native code
+        # (decode, a sampler, a grammar mask) past the engine's step budget is seen by this
+        self.step_since = 0.0
         self._thread = threading.Thread(target=self._run, name=f"pgroup-{index}", daemon=True)
 
     # ---- lifecycle (any thread) -------------------------------------------------------------
@@ -186,7 +190,9 @@ class PipelineGroup:
                         return
                 self.prof.add("wait", time.perf_counter() - t0)
                 if self.active:
+                    self.step_since = time.monotonic()
                     self._step()
+                    self.step_since = 0.0
         except BaseException as e:  # the group is dead: fail what it holds, never hang callers
             log.exception("pipeline group %d died", self.index)
             self.alive = False
@@ -493,8 +499,11 @@ class PipelineGroup:
         try:
             tok = s.sampler.sample(row)
             s.sampler.accept(tok)
+        except GrammarDeadEnd as e:  # the request's own grammar: its client's error
+            self._row_errors[s.id] = (f"the output cannot continue under the request's grammar: {e}", 400)
+            return -1
         except Exception as e:
-            self._row_errors[s.id] = f"sampling failed: {e}"
+            self._row_errors[s.id] = (f"sampling failed: {e}", 500)
             return -1
         k = s.req.params.logprobs
         if k is not None:  # only the rows that ask pay for it
@@ -532,8 +541,9 @@ class PipelineGroup:
 
         for i, tok in enumerate(toks):
             if tok < 0:
-                return done(FinishReason.ERROR, s.text.flush(), len(emitted),
-                            error=self._row_errors.pop(s.id, "sampling failed"), logprobs=tuple(lps) or None)
+                error, status = self._row_errors.pop(s.id, ("sampling failed", 500))
+                return done(FinishReason.ERROR, s.text.flush(), len(emitted), error=error, status=status,
+                            logprobs=tuple(lps) or None)
             s.n_generated += 1
             s.last_token = tok
             if s.n_generated == 1:

@@ -10,7 +10,6 @@ from typing import Any, NamedTuple
 from engine.errors import QueueFullError, RequestError  # noqa: F401 - their home is engine.errors
 from engine.sampling import SamplingParams
 
-
 SHUTTING_DOWN = "the server is shutting down; retry the request"
 
 

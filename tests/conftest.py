@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
 
 from cluster import rpc_server
 from engine import Engine, EngineConfig
@@ -16,6 +18,12 @@ from engine.synthetic_model import ModelShape, write_model
 
 REPO = Path(__file__).resolve().parents[1]
 RPC_PORT = 50161
+
+# property-based tests run the same examples every time in `make test` (a red run names a real
+# defect, not a new draw); HYPOTHESIS_PROFILE=explore draws new ones (PGROUPS_FUZZ_EXAMPLES: how many)
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def engine_factory(**defaults: object) -> Iterator[Callable[..., Engine]]:

@@ -146,7 +146,7 @@ def test_drain_finishes_short_requests_and_cuts_long_ones_with_an_error(model_pa
         s = await connect(d, "ingress-1", "c")
         assert isinstance(await d.submit("c", "long", CompletionRequest(**LONG)), dict)
         assert isinstance(await d.submit("c", "short", CompletionRequest(**SHORT)), dict)
-        res = await d.drain(2.0)
+        res = await d.drain(1.0)
         assert res["cut"] == 1
         finals: dict[str, Output] = {}
         try:
@@ -161,7 +161,7 @@ def test_drain_finishes_short_requests_and_cuts_long_ones_with_an_error(model_pa
         assert finals["long"].status == 503
         assert (await d.submit("c", "late", CompletionRequest(**SHORT))).status == 503
 
-    run(model_path, body)
+    run(model_path, body, n_ctx=65536)  # the long request cannot finish in the grace time on a fast CPU
 
 
 def test_llama_servers_utility_endpoints(model_path):
