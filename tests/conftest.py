@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-
 from cluster import rpc_server
 from engine import Engine, EngineConfig
 from engine.models import ensure_synthetic_model
