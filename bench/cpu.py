@@ -56,3 +56,21 @@ def per_token_ms(before: dict[str, float], after: dict[str, float], n_tokens: in
     n = max(n_tokens, 1)
     return {k: round(1000 * (after.get(k, 0.0) - before.get(k, 0.0)) / n, 3) for k in sorted(after)
             if after.get(k, 0.0) - before.get(k, 0.0) > 0}
+
+
+def describe() -> str:
+    """The CPU a figure came from: its model, cores and the SIMD sets ggml picks kernels by."""
+    import os
+    import platform
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    sets = [f for f in ("avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags]
+    return f"{model}, {os.cpu_count()} cores, {' '.join(sets) or 'no x86 SIMD flags'}"

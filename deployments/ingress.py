@@ -402,6 +402,9 @@ class Ingress:
         except BaseException:
             for m in ids:
                 self._pending.pop(m, None)
+            # the client left (or the call failed) while the engine may have taken it: cancel
+            # there too, or it generates what nobody reads (a cancel of an unknown id is a no-op)
+            _detached(self._cancel(rid, req.n))
             raise
         if isinstance(res, ApiError):
             for m in ids:

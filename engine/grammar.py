@@ -49,8 +49,9 @@ MAX_GRAMMAR_BYTES = 256 * 1024
 MAX_NESTING = 64  # brackets of a grammar, or objects and arrays of a schema, inside each other
 MAX_REPEAT = 10_000  # the largest count of a counted repetition ({m,n}) in a grammar or a pattern
 MAX_SCHEMA_COUNT = 100_000  # the largest minItems, maxLength... of a schema
-# JSON whitespace between tokens: bounded, so a model cannot fill max_tokens with blanks
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
+# JSON whitespace between tokens, as llama.cpp's converter allows it: one space, or a newline and
+# up to 20 of indentation (a model cannot fill max_tokens with blanks)
+JSON_WHITESPACE = r"( |\n[ \t]{0,20})?"
 
 _SCHEMA_COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties",
                   "minContains", "maxContains")

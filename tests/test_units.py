@@ -192,7 +192,8 @@ def test_app_args_are_the_engine_config_plus_the_deployments_keys(monkeypatch):
     assert cfg.rpc_endpoints == ["10.0.0.2:50052"]
     assert cfg.n_parallel == EngineConfig(model="m").n_parallel
     assert set(AppArgs.model_fields) - set(EngineConfig.model_fields) == {
-        "rpc", "api_key", "request_timeout_s", "max_body_bytes", "stage_timeout_s", "placement", "replicas"}
+        "rpc", "api_key", "request_timeout_s", "max_body_bytes", "stage_timeout_s", "placement", "replicas",
+        "allow_unauthenticated"}
 
 
 def test_token_logprobs_are_a_log_softmax_with_the_top_alternatives():
