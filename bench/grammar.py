@@ -23,17 +23,8 @@ import time
 
 import numpy as np
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer"},
-        "likes": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 3},
-        "kind": {"enum": ["cat", "dog", "human"]},
-    },
-    "required": ["name", "age", "kind"],
-    "additionalProperties": False,
-}
+from tests.real.test_structured import PERSON as SCHEMA  # strings, an integer, an array, an enum
+
 # valid under both engines' property order (llama.cpp's converter puts the optional "likes"
 # after the required keys; llguidance keeps the schema's order)
 SAMPLE = '{"name":"Ada Lovelace","age":36,"kind":"human"}'

@@ -113,12 +113,14 @@ def test_forced_tool_calls_on_the_real_model_all_parse_and_validate(make_gemma):
     from deployments.engine_deployment import chat_prompt
     from engine.tools import limit_calls, parse_tool_calls
 
-    e = make_gemma(n_parallel=4, n_ctx=8192)
+    e = make_gemma(n_parallel=4, n_ctx=16384)
     req = ChatCompletionRequest.model_validate({
         "messages": [{"role": "user", "content": "What is the weather in Paris, and the time in Tokyo?"}],
         "tools": [WEATHER_TOOL, TIME_TOOL], "tool_choice": "required", "temperature": 1.0,
     })
-    prompt, params, plan = chat_prompt(e.tokenizer, req, 400)
+    # the grammar bounds the answer (at most 8 calls, strings of bounded length, bounded
+    # whitespace, no extra keys): well under 1,700 tokens, so every answer ends by itself
+    prompt, params, plan = chat_prompt(e.tokenizer, req, 1700)
     assert "get_weather" in prompt and plan.format == "generic"
     schemas = {"get_weather": WEATHER_TOOL["function"]["parameters"], "get_time": TIME_TOOL["function"]["parameters"]}
 
