@@ -96,6 +96,12 @@ class AppArgs(EngineConfig):
     model: str = Field(default=str(DEFAULT_MODEL), description="GGUF file on the local node [-m]; default: Gemma 3 270M (`make model`).")
     rpc: RpcArgs | None = Field(default=None, description="The peer stage [--rpc]; absent or disabled: no split.")
     api_key: str | None = Field(default=None, description="Require 'Authorization: Bearer <key>' on every endpoint but /health [--api-key].")
+    strict_request_fields: bool = Field(
+        default=False,
+        description="Refuse request fields this server does not know, and model names other than the "
+        "served one, as OpenAI does (400 / 404). Off: they are ignored, as llama-server and vLLM do "
+        "(each field name logged once, counted in pgroups_ignored_request_fields_total).",
+    )
     allow_unauthenticated: bool = Field(
         default=False,
         description="Serve without api_key on every interface (http_options.host 0.0.0.0 or ::). "
@@ -224,5 +230,5 @@ def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
     if a.model_alias:
         names.append(Path(a.model).name)
     return Ingress.options(ray_actor_options=dict(actor_opts)).bind(
-        engine, names, a.api_key, a.request_timeout_s, a.max_body_bytes
+        engine, names, a.api_key, a.request_timeout_s, a.max_body_bytes, strict_request_fields=a.strict_request_fields
     )

@@ -290,11 +290,12 @@ class EngineDeployment:
             prompt, params, plan = chat_prompt(self.engine.tokenizer, req, self._default_max_tokens())
             if plan.active:
                 extra["tools"] = {"names": plan.names, "parallel": plan.parallel}
-            return self.engine.make_request(prompt, params, request_id, n=req.n, id_slot=req.id_slot), extra
+            return self.engine.make_request(prompt, params, request_id, cache_prompt=req.cache_prompt, n=req.n,
+                                            id_slot=req.id_slot), extra
         prompt = req.prompt
         params = req.sampling(self._default_max_tokens())
-        cache_prompt = getattr(req, "cache_prompt", True)
-        r = self.engine.make_request(prompt, params, request_id, cache_prompt=cache_prompt, n=req.n, id_slot=req.id_slot)
+        r = self.engine.make_request(prompt, params, request_id, cache_prompt=req.cache_prompt, n=req.n,
+                                     id_slot=req.id_slot)
         if req.echo:  # after make_request: token ids are checked there (400), not decoded blind
             extra["echo"] = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
         return r, extra
@@ -404,6 +405,7 @@ class EngineDeployment:
             "pipeline_groups": self.config.pipeline_groups,
             "devices": self.engine.devices,
             "n_vocab": self.engine.model.n_vocab,
+            "meta": self.engine.model.meta(),
             "speculative": self.config.speculative.model_dump() if self.config.speculative else None,
             "healthy": self.engine.healthy and self._failed is None,
             "replica": self._replica,

@@ -36,11 +36,14 @@ from deployments.protocol import (
     LlamaCompletionRequest,
     ResponsesRequest,
     TokenizeRequest,
+    completion_probabilities,
     error_body,
     error_type,
     llama_final,
     now,
     parse_body,
+    timings,
+    validate_body,
 )
 from deployments.router import known_replicas, prefix_hashes, routing_text
 from deployments.shaping import (
@@ -175,6 +178,7 @@ def _detached(coro: Coroutine) -> asyncio.Task:
     return task
 
 
+MAX_FIELD_NAMES = 256  # distinct ignored field names counted (a client cannot grow the table without bound)
 OFFLOAD_BYTES = 64 * 1024  # bodies larger than this are parsed off the event loop
 
 
@@ -210,9 +214,12 @@ class Ingress:
         request_timeout_s: float | None = None,
         max_body_bytes: int = 8 * 1024 * 1024,
         connect_timeout_s: float = 10.0,
+        strict_request_fields: bool = False,
     ) -> None:
         self.engine = engine
         self.model_names = model_names
+        self.strict = strict_request_fields
+        self.ignored_fields: dict[str, int] = {}  # field name -> requests that sent it (each logged once)
         self.api_key = api_key
         self.request_timeout_s = request_timeout_s
         self.max_body_bytes = max_body_bytes
@@ -365,16 +372,33 @@ class Ingress:
             raise HTTPError(400, str(e)) from None
 
     def _check_model(self, name: str | None) -> None:
-        if name and name not in self.model_names:
+        """Any name serves the one model, as llama-server does (clients left at their default,
+        ``gpt-4o-mini``, work); with ``strict_request_fields`` an unknown name is OpenAI's 404."""
+        if self.strict and name and name not in self.model_names:
             raise HTTPError(404, f"the model {name!r} does not exist; this server serves {self.model_names[0]!r}", "model")
 
-    @staticmethod
-    def _validate(kind: str, body: dict) -> ChatCompletionRequest | CompletionRequest | ResponsesRequest:
+    def _validate(self, kind: str, body: dict) -> ChatCompletionRequest | CompletionRequest | ResponsesRequest:
         model_cls = {"chat": ChatCompletionRequest, "llama": LlamaCompletionRequest,
                      "responses": ResponsesRequest}.get(kind, CompletionRequest)
-        req = model_cls.model_validate(body)
+        req, unknown = validate_body(model_cls, body, self.strict)
         (req.to_chat() if isinstance(req, ResponsesRequest) else req).sampling(1)
+        for name in unknown:
+            if name not in self.ignored_fields:
+                log.warning("ignoring the unknown request field %r (logged once; set strict_request_fields to "
+                            "refuse unknown fields)", name[:100])
+            if name in self.ignored_fields or len(self.ignored_fields) < MAX_FIELD_NAMES:
+                self.ignored_fields[name] = self.ignored_fields.get(name, 0) + 1
         return req
+
+    def _ingress_metrics(self) -> bytes:
+        """The ingress's own series: request fields it ignored, by name."""
+        lines = [b"# HELP pgroups_ignored_request_fields_total Requests that carried a field this server does not "
+                 b"know (ignored; strict_request_fields refuses them).",
+                 b"# TYPE pgroups_ignored_request_fields_total counter"]
+        for name, n in sorted(self.ignored_fields.items()):
+            label = json.dumps(name[:100])[1:-1].replace("\\'", "'")
+            lines.append(f'pgroups_ignored_request_fields_total{{field="{label}"}} {n}'.encode())
+        return b"\n".join(lines) + b"\n"
 
     async def _submit(self, request: Request, kind: str) -> Response:
         """``kind``: "chat", "completion", "responses" (OpenAI's) or "llama" (llama-server's
@@ -518,7 +542,8 @@ class Ingress:
             return err_response(504, f"request timed out after {self.request_timeout_s} s")
         obj = "chat.completion" if kind == "chat" else "text_completion"
         return JSONResponse({"id": rid, "object": obj, "created": now(), "model": model,
-                             "choices": [c.body() for c in choices], "usage": total_usage([c.last for c in choices])})
+                             "choices": [c.body() for c in choices], "usage": total_usage([c.last for c in choices]),
+                             "timings": timings(choices[0].last)})
 
     async def _sse(self, rid: str, q: asyncio.Queue, kind: str, model: str, include_usage: bool,
                    choices: list[Choice]):
@@ -571,16 +596,21 @@ class Ingress:
     async def _llama_collect(self, rid: str, q: asyncio.Queue, model: str, want_tokens: bool) -> Response:
         parts: list[str] = []
         tokens: list[int] = []
+        probs: list[dict] = []
         last = None
         async for batch in self._outputs(rid, q):
             for o in batch:
                 parts.append(o.text)
                 tokens.extend(o.tokens)
+                probs.extend(completion_probabilities(o))
             last = batch[-1]
         assert last is not None
         if last.finish_reason is not None and last.finish_reason.failed:
             return _error_of(last)
-        return JSONResponse(llama_final(last, "".join(parts), model, tokens if want_tokens else None))
+        body = llama_final(last, "".join(parts), model, tokens if want_tokens else None)
+        if probs:
+            body["completion_probabilities"] = probs
+        return JSONResponse(body)
 
     async def _llama_sse(self, rid: str, q: asyncio.Queue, model: str, want_tokens: bool):
         """llama-server's /completion stream: ``{"content", "stop": false}`` events, then the
@@ -592,18 +622,24 @@ class Ingress:
             if last.finish_reason is not None and last.finish_reason.failed:
                 yield _error_event(last)
                 return
+            probs = [p for o in batch for p in completion_probabilities(o)]
             if last.finish_reason is not None:
-                yield b"data: " + json.dumps(llama_final(last, text, model, toks if want_tokens else None),
-                                             ensure_ascii=False).encode() + b"\n\n"
+                event = llama_final(last, text, model, toks if want_tokens else None)
+                if probs:
+                    event["completion_probabilities"] = probs
+                yield b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
                 return
-            event: dict[str, Any] = {"content": text, "stop": False}
+            event = {"content": text, "stop": False}
             if want_tokens:
                 event["tokens"] = toks
+            if probs:
+                event["completion_probabilities"] = probs
             yield b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
 
     # ---- routes ------------------------------------------------------------------------------
 
     @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"))
+    @app.post("/completions", include_in_schema=False)
     async def completions(self, request: Request) -> Response:
         return await self._submit(request, "completion")
 
@@ -616,6 +652,7 @@ class Ingress:
         return await self._submit(request, "responses")
 
     @app.post("/v1/chat/completions", openapi_extra=_body("ChatCompletionRequest"))
+    @app.post("/chat/completions", include_in_schema=False)
     async def chat_completions(self, request: Request) -> Response:
         return await self._submit(request, "chat")
 
@@ -647,12 +684,21 @@ class Ingress:
         return JSONResponse(await self.engine.props.remote())
 
     @app.get("/v1/models")
+    @app.get("/models", include_in_schema=False)
     async def models(self, request: Request) -> Response:
+        """The served model under each of its names (any other name serves it too), with
+        llama-server's ``meta``."""
         self._check_auth(request)
-        data = [{"id": self.model_names[0], "object": "model", "created": 0, "owned_by": "pipeline-groups"}]
+        try:
+            meta = (await asyncio.wait_for(self.engine.info.remote(), timeout=10.0)).get("meta")
+        except Exception:  # the engine is restarting: the list without meta
+            meta = None
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "pipeline-groups",
+                 **({"meta": meta} if meta else {})} for name in self.model_names]
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/health")
+    @app.get("/v1/health", include_in_schema=False)
     async def health(self) -> Response:
         # the ingress serves nothing while its output stream from the engine is down (the
         # engine replica died and Serve is replacing it): say so at once, even when the new
@@ -699,7 +745,7 @@ class Ingress:
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
         self._check_auth(request)
-        text = merge_exposition(await self._each_replica("metrics_text"))
+        text = merge_exposition([*await self._each_replica("metrics_text"), self._ingress_metrics()])
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/openapi.json", include_in_schema=False)

@@ -7,7 +7,15 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from engine.grammar import JSON_OBJECT_SCHEMA, GrammarSpec, check_source
 from engine.sampling import SamplingParams
@@ -49,6 +57,38 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+class ApiModel(BaseModel):
+    """A request body read as llama-server and vLLM read theirs: a field it does not know is
+    set aside (its name goes to the validation context's ``unknown`` list, for the ingress to
+    log and count, or to refuse with ``strict_request_fields``), and ``null`` is the field's
+    default, for every field."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lenient(cls, data: Any, info: ValidationInfo) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = cls.model_fields
+        unknown = [k for k in data if k not in known]
+        if unknown and info.context is not None and "unknown" in info.context:
+            info.context["unknown"].extend(f"{cls.__name__}.{k}" if info.context.get("qualified") else k
+                                           for k in unknown)
+        return {k: v for k, v in data.items() if v is not None and k in known}
+
+
+def validate_body(model_cls: type[BaseModel], body: dict[str, Any], strict: bool = False) -> tuple[Any, list[str]]:
+    """``body`` as ``model_cls``, and the names of the fields it ignored; ``strict``: those
+    are a ``ValueError`` (OpenAI's 400) instead."""
+    unknown: list[str] = []
+    req = model_cls.model_validate(body, context={"unknown": unknown})
+    if strict and unknown:
+        raise ValueError(f"unknown fields {sorted(set(unknown))}: Extra inputs are not permitted "
+                         "(strict_request_fields is on)")
+    return req, unknown
+
+
 def _sampling(name: str) -> Any:
     """An optional request field with the bounds and description of ``SamplingParams.<name>``."""
     f = SamplingParams.model_fields[name]
@@ -56,6 +96,10 @@ def _sampling(name: str) -> Any:
               if getattr(m, k, None) is not None}
     return Field(default=None, description=f.description, **bounds)
 
+
+# llama-server's one-letter sampler names (its `samplers` string; 'i', infill, is not a chain sampler here)
+SAMPLER_LETTERS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p",
+                   "m": "min_p", "x": "xtc", "t": "temperature"}
 
 SAMPLING_KEYS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repeat_penalty",
@@ -65,13 +109,12 @@ SAMPLING_KEYS = (
 )
 
 
-class _Common(BaseModel):
-    """Fields shared by completions and chat; unknown fields are refused (400)."""
-
-    model_config = ConfigDict(extra="forbid")
+class _Common(ApiModel):
+    """Fields shared by completions and chat (unknown ones are ignored, see ``ApiModel``)."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    max_tokens: int | None = Field(default=None, ge=-1, le=1_000_000, description="Most tokens to generate; -1 "
+                                   "(llama-server) or absent: until the slot's context is full.")
     n: int = Field(default=1, ge=1, le=16, description="Choices of one prompt, evaluated once; at most the slots of "
                    "one pipeline group (n_parallel / pipeline_groups).")
     stream: bool = False
@@ -114,11 +157,36 @@ class _Common(BaseModel):
     n_probs: int | None = Field(default=None, ge=0, le=20, description="llama-server's logprobs: this many alternatives per token.")
     id_slot: int = Field(default=-1, ge=-1, description="llama-server's slot pinning: run on this slot, waiting until "
                          "it is free; -1: the scheduler picks (longest cached prefix).")
+    typ_p: float | None = Field(default=None, gt=0.0, le=1.0, description="llama-server's name of typical_p.")
+    cache_prompt: bool = Field(default=True, description="Reuse the slot's cached prefix for this request (llama-server).")
+    t_max_predict_ms: int | None = Field(
+        default=None, ge=0, description="llama-server's time limit of the generation, from the first token: past it, "
+        "the output ends (finish_reason length) at its next newline.")
+    timings_per_token: bool | None = Field(default=None, description="llama-server's; the timings come with the last "
+                                           "chunk of a stream and with every answer.")
+    # accepted as llama-server's clients send them, with nothing to change here
+    return_progress: bool | None = Field(default=None, description="llama-server's prompt progress (accepted; not sent).")
+    reasoning_format: str | None = Field(default=None, description="llama-server's (accepted; reasoning is not parsed "
+                                         "out: the text is the model's whole output, as 'none').")
+    n_keep: int | None = Field(default=None, ge=-1, description="llama-server's context-shift keep (accepted; a "
+                               "prompt longer than the slot is refused, never shifted).")
+    response_fields: list[str] | None = Field(default=None, description="llama-server's (accepted; the whole answer is sent).")
+    post_sampling_probs: bool | None = Field(default=None, description="llama-server's (accepted; probabilities are "
+                                             "the model's, before sampling).")
     # accepted and ignored, as OpenAI's API defines them for what this server does not keep
     user: str | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+
+    @field_validator("samplers", mode="before")
+    @classmethod
+    def _sampler_letters(cls, v: object) -> object:
+        """llama-server's letter string (``"edkypmxt"``): each letter a sampler, unknown ones
+        skipped as llama-server skips them."""
+        if isinstance(v, str):
+            return [SAMPLER_LETTERS[c] for c in v if c in SAMPLER_LETTERS]
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -155,9 +223,11 @@ class _Common(BaseModel):
         raise ValueError(f"response_format type {kind!r} is not one of text, json_object, json_schema")
 
     def sampling(self, default_max_tokens: int, max_tokens: int | None = None) -> SamplingParams:
-        n_predict = self.n_predict if self.n_predict and self.n_predict > 0 else None
+        limits = [v for v in (max_tokens, self.max_tokens, self.n_predict) if v is not None]
+        if 0 in limits:
+            raise ValueError("max_tokens must be at least 1 (or -1: until the slot's context is full)")
         d: dict[str, Any] = {
-            "max_tokens": max_tokens or self.max_tokens or n_predict or default_max_tokens,
+            "max_tokens": next((v for v in limits if v > 0), default_max_tokens),
             "stop": self.stop,
             "ignore_eos": self.ignore_eos,
             "grammar": self.grammar_spec(),
@@ -167,6 +237,10 @@ class _Common(BaseModel):
             v = getattr(self, k)
             if v is not None:
                 d[k] = v
+        if self.typ_p is not None and self.typical_p is None:
+            d["typical_p"] = self.typ_p
+        if self.t_max_predict_ms:
+            d["t_max_predict_ms"] = self.t_max_predict_ms
         if self.logit_bias:
             bias: dict[int, float] = {}
             for k, v in self.logit_bias.items():
@@ -244,7 +318,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    max_completion_tokens: int | None = Field(default=None, ge=-1, le=1_000_000)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
@@ -278,11 +352,9 @@ class ChatCompletionRequest(_Common):
         return self.n_probs
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(ApiModel):
     """``POST /v1/responses`` (OpenAI's Responses API): text in, text out, served as a chat
     request. Nothing is stored: ``previous_response_id`` and ``tools`` are refused."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -298,6 +370,8 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     truncation: Literal["disabled"] | None = None
     reasoning: dict[str, Any] | None = None
+    include: list[str] | None = Field(default=None, description="Extra output to include (the OpenAI Agents SDK "
+                                      "sends []); nothing beyond the text is produced, so entries are ignored.")
     # accepted and ignored, as for chat
     user: str | None = None
     store: bool | None = None
@@ -442,7 +516,6 @@ class LlamaCompletionRequest(CompletionRequest):
     """``POST /completion``: llama-server's native completion (its field names; the answer and
     the stream in its shapes)."""
 
-    cache_prompt: bool = Field(default=True, description="Reuse the slot's cached prefix for this request.")
     return_tokens: bool = Field(default=False, description="Return the generated token ids too.")
 
     @model_validator(mode="after")
@@ -450,6 +523,43 @@ class LlamaCompletionRequest(CompletionRequest):
         if self.n != 1:
             raise ValueError("/completion answers one choice; use /v1/completions for n > 1")
         return self
+
+
+def completion_probabilities(o: Any) -> list[dict[str, Any]]:
+    """llama-server's ``completion_probabilities`` of one output's tokens (``n_probs``): each
+    token's id, text, bytes and log probability, and its most likely alternatives."""
+    if not o.logprobs:
+        return []
+
+    def entry(piece: bytes, logprob: float) -> dict[str, Any]:
+        return {"token": piece.decode("utf-8", "replace"), "bytes": list(piece), "logprob": logprob}
+
+    out = []
+    for i, (piece, lp, top) in enumerate(o.logprobs):
+        e = {"id": o.tokens[i]} if i < len(o.tokens) else {}
+        out.append({**e, **entry(piece, lp), "top_logprobs": [entry(p, v) for p, v in top]})
+    return out
+
+
+def timings(o: Any) -> dict[str, Any]:
+    """llama-server's ``timings`` of a request's final output (its web UI's statistics bar
+    reads them): the prompt's evaluation from the slot's start to the first token, then the
+    generation from the first token to the last."""
+    prompt_n = o.prompt_tokens - o.cached_tokens
+    prompt_ms = 1000.0 * max(o.t_first_token - o.t_queue, 0.0)
+    gen_ms = 1000.0 * max(o.t_end - o.t_first_token, 0.0)
+    n_gen = max(o.completion_tokens - 1, 0)  # the first token's time is the prompt's
+    return {
+        "cache_n": o.cached_tokens,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": 1000.0 * prompt_n / prompt_ms if prompt_ms > 0 else 0.0,
+        "predicted_n": o.completion_tokens,
+        "predicted_ms": gen_ms,
+        "predicted_per_token_ms": gen_ms / n_gen if n_gen else 0.0,
+        "predicted_per_second": 1000.0 * n_gen / gen_ms if gen_ms > 0 and n_gen else 0.0,
+    }
 
 
 def llama_final(o: Any, content: str, model: str, tokens: list[int] | None) -> dict[str, Any]:
@@ -460,7 +570,6 @@ def llama_final(o: Any, content: str, model: str, tokens: list[int] | None) -> d
         stop_type = "word"
     else:
         stop_type = "eos"
-    gen_s = max(o.t_end - o.t_first_token, 0.0)
     out: dict[str, Any] = {
         "content": content,
         "stop": True,
@@ -472,13 +581,7 @@ def llama_final(o: Any, content: str, model: str, tokens: list[int] | None) -> d
         "stopping_word": o.stop_word or "",
         "id_slot": o.slot,
         "truncated": False,
-        "timings": {
-            "prompt_n": o.prompt_tokens - o.cached_tokens,
-            "prompt_ms": 1000.0 * max(o.t_first_token - o.t_queue, 0.0),
-            "predicted_n": o.completion_tokens,
-            "predicted_ms": 1000.0 * gen_s,
-            "predicted_per_second": (o.completion_tokens - 1) / gen_s if gen_s > 0 and o.completion_tokens > 1 else 0.0,
-        },
+        "timings": timings(o),
     }
     if tokens is not None:
         out["tokens"] = tokens
@@ -488,10 +591,8 @@ def llama_final(o: Any, content: str, model: str, tokens: list[int] | None) -> d
 # ---- llama-server's utility endpoints ---------------------------------------------------------
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ApiModel):
     """``POST /tokenize`` (llama-server)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     content: str = Field(max_length=MAX_PROMPT_CHARS)
     add_special: bool = Field(default=False, description="Add the model's BOS/EOS as a prompt would get them.")
@@ -499,18 +600,14 @@ class TokenizeRequest(BaseModel):
     with_pieces: bool = Field(default=False, description="Return [{id, piece}] instead of ids.")
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(ApiModel):
     """``POST /detokenize`` (llama-server)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     tokens: list[int] = Field(max_length=1_000_000)
 
 
-class ApplyTemplateRequest(BaseModel):
+class ApplyTemplateRequest(ApiModel):
     """``POST /apply-template`` (llama-server): the prompt the chat template makes of messages."""
-
-    model_config = ConfigDict(extra="forbid")
 
     messages: list[ChatMessage] = Field(min_length=1)
     chat_template_kwargs: dict[str, Any] | None = None

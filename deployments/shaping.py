@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from deployments.protocol import LogprobsShaper, now, usage
+from deployments.protocol import LogprobsShaper, now, timings, usage
 from engine.tools import ToolCallStream, limit_calls, parse_tool_calls, tool_finish
 from engine.types import Output
 
@@ -50,7 +50,8 @@ class SseEvents:
         self.include_usage = include_usage
 
     def chunk(self, text: str | None, finish: str | None, first: bool = False, logprobs: dict | None = None,
-              tool_calls: list[dict] | None = None, index: int = 0) -> bytes:
+              tool_calls: list[dict] | None = None, index: int = 0, final: Output | None = None) -> bytes:
+        """One chunk; ``final``: the choice's last output, whose llama-server ``timings`` it carries."""
         if text and finish is None and not first and logprobs is None and tool_calls is None and index == 0:
             return self._prefix + json.dumps(text, ensure_ascii=False).encode() + self._suffix  # the per-token case
         if self.kind == "chat":
@@ -67,6 +68,8 @@ class SseEvents:
         body = {**self.head, "choices": [choice]}
         if self.include_usage:
             body["usage"] = None
+        if final is not None:
+            body["timings"] = timings(final)
         return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
 
     def usage(self, finals: list[Output]) -> bytes:
@@ -137,12 +140,15 @@ class Choice:
             rest, calls = self._calls.finish()
             text += rest
             finish = tool_finish(finish) if calls else finish
+        last = self.last
         if calls:
             return (ev.chunk(text, None, logprobs=lp, index=self.index) if text or lp else b"") \
-                + ev.chunk(None, None, tool_calls=calls, index=self.index) + ev.chunk(None, finish, index=self.index)
+                + ev.chunk(None, None, tool_calls=calls, index=self.index) \
+                + ev.chunk(None, finish, index=self.index, final=last)
         if self.kind == "chat" and (text or lp):
-            return ev.chunk(text, None, logprobs=lp, index=self.index) + ev.chunk(None, finish, index=self.index)
-        return ev.chunk(text, finish, logprobs=lp, index=self.index)
+            return ev.chunk(text, None, logprobs=lp, index=self.index) + ev.chunk(None, finish, index=self.index,
+                                                                                 final=last)
+        return ev.chunk(text, finish, logprobs=lp, index=self.index, final=last)
 
 
 def by_choice(batch: list[Output]) -> dict[int, list[Output]]:

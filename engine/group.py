@@ -290,6 +290,7 @@ class PipelineGroup:
         s.last_token = -1
         s.t_start = time.monotonic()
         s.t_first_token = 0.0
+        s.saw_newline = False
         s.spec.reset()
         s.state = SlotState.PROMPT
         s.leader = leader
@@ -566,9 +567,19 @@ class PipelineGroup:
             emitted.append(tok)
             if lp_rows is not None:
                 lps.append(lp_rows[i])
-            if s.n_generated >= r.n_predict:
+            if s.n_generated >= r.n_predict or self._past_time_limit(s, piece):
                 return done(FinishReason.LENGTH, s.text.flush(), len(emitted), logprobs=tuple(lps) or None)
         return Output(r.id, "".join(texts), len(emitted), logprobs=tuple(lps) or None, tokens=tuple(emitted))
+
+    @staticmethod
+    def _past_time_limit(s: Slot, piece: bytes) -> bool:
+        """llama-server's ``t_max_predict_ms``: the generation ran past it, counted from the first
+        token, and has a newline (an editor's completion ends at a line, not mid-word)."""
+        limit = s.req.params.t_max_predict_ms
+        if not limit:
+            return False
+        s.saw_newline = s.saw_newline or b"\n" in piece
+        return s.saw_newline and (time.monotonic() - s.t_first_token) * 1000.0 > limit
 
     def _finish(
         self,

@@ -286,6 +286,13 @@ class Model:
         self.eos = llama_cpp.llama_vocab_eos(self.vocab)
         self.size_bytes = llama_cpp.llama_model_size(self.ptr)
 
+    def meta(self) -> dict[str, int]:
+        """llama-server's ``/v1/models`` meta of the model."""
+        return {"vocab_type": int(llama_cpp.llama_vocab_type(self.vocab)), "n_vocab": self.n_vocab,
+                "n_ctx_train": self.n_ctx_train, "n_embd": int(llama_cpp.llama_model_n_embd(self.ptr)),
+                "n_params": int(llama_cpp.llama_model_n_params(self.ptr)),
+                "size": int(llama_cpp.llama_model_size(self.ptr))}
+
     @staticmethod
     def n_layer_of(path: str) -> int:
         """The layer count of a GGUF file, read from its metadata without loading weights."""

@@ -79,6 +79,9 @@ class SamplingParams(BaseModel):
         default=None, ge=0, le=20,
         description="Report each generated token's log probability and this many most likely alternatives.",
     )
+    t_max_predict_ms: int = Field(
+        default=0, ge=0, description="End the output (length) once the generation has run this long, counted "
+        "from the first token, and holds a newline (llama-server's); 0: no limit.")
     speculative: bool = Field(
         default=True,
         description="Let the server draft and verify several tokens per step for this request when it is "

@@ -81,6 +81,7 @@ class Slot:
     last_token: int = -1
     t_start: float = 0.0
     t_first_token: float = 0.0
+    saw_newline: bool = False  # the output has a newline (t_max_predict_ms ends it only after one)
     last_used: float = field(default_factory=time.monotonic)
     # n > 1: a leader's followers that wait for its prompt; a follower's leader
     forks: list[Slot] = field(default_factory=list)

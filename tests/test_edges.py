@@ -122,3 +122,16 @@ def test_a_sampler_that_fails_ends_its_request_and_the_group_goes_on(make_engine
     assert b.final.finish_reason == "error" and "no token can continue" in b.final.error
     assert g.final.finish_reason == "length" and g.final.completion_tokens == 8
     assert e.healthy and e.generate("three", good).final.completion_tokens == 8
+
+
+def test_t_max_predict_ms_ends_the_output_at_a_newline_after_the_limit(make_engine):
+    e = make_engine(n_parallel=1)
+    grammar = 'root ::= "x" [a-z]{3} "\\n" [a-z]{0,1000}'
+    slow = e.generate("go", SamplingParams(temperature=0.5, seed=1, max_tokens=200, grammar=grammar,
+                                           t_max_predict_ms=1))
+    assert slow.final.finish_reason == "length" and "\n" in slow.text
+    assert slow.final.completion_tokens < 200 and len(slow.text.split("\n", 1)[1]) < 100
+    # before a newline, the limit does not cut
+    no_newline = e.generate("go", SamplingParams(temperature=0.5, seed=1, max_tokens=40, grammar='root ::= [a-z]{40,1000}',
+                                                 t_max_predict_ms=1))
+    assert no_newline.final.completion_tokens == 40

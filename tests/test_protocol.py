@@ -1,0 +1,89 @@
+"""Request bodies as llama-server's and OpenAI's clients write them: unknown fields, nulls,
+llama-server's names and values (no engine, no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LlamaCompletionRequest,
+    ResponsesRequest,
+    completion_probabilities,
+    timings,
+    validate_body,
+)
+from engine.types import FinishReason, Output
+
+
+def test_unknown_fields_are_ignored_and_named_or_refused_when_strict():
+    body = {"prompt": "x", "frobnicate": 1, "return_progress": True, "timings_per_token": True, "mystery": {"a": 1}}
+    req, unknown = validate_body(CompletionRequest, body)
+    assert req.prompt == "x" and sorted(unknown) == ["frobnicate", "mystery"]  # llama-server's own are known
+    with pytest.raises(ValueError, match="unknown fields .*frobnicate.*mystery"):
+        validate_body(CompletionRequest, body, strict=True)
+    req, unknown = validate_body(CompletionRequest, {"prompt": "x", "stream": False}, strict=True)
+    assert unknown == []
+
+
+def test_null_means_the_default_for_every_field():
+    req, _ = validate_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "n": None,
+                                                   "stream": None, "ignore_eos": None, "cache_prompt": None,
+                                                   "temperature": None, "stop": None, "id_slot": None})
+    assert req.n == 1 and req.stream is False and req.ignore_eos is False and req.cache_prompt is True
+    assert req.id_slot == -1 and req.sampling(16).temperature == 0.8
+    r, _ = validate_body(ResponsesRequest, {"input": "hi", "include": [], "stream": None, "tools": None})
+    assert r.to_chat().messages[0].content == "hi"
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "n_predict"])
+def test_minus_one_tokens_is_until_the_context_is_full(field):
+    req = CompletionRequest.model_validate({"prompt": "x", field: -1})
+    assert req.sampling(777).max_tokens == 777
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                 "max_completion_tokens": -1, "max_tokens": 5})
+    assert chat.sampling(777, chat.max_completion_tokens).max_tokens == 5
+    with pytest.raises(ValueError, match="at least 1"):
+        CompletionRequest.model_validate({"prompt": "x", field: 0}).sampling(10)
+
+
+def test_llama_servers_sampler_letters_and_names():
+    req = CompletionRequest.model_validate({"prompt": "x", "samplers": "edkypmxt", "typ_p": 0.5})
+    p = req.sampling(8)
+    assert p.order == ("penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+    assert p.typical_p == 0.5
+    assert CompletionRequest.model_validate({"prompt": "x", "samplers": "kq?t"}).sampling(8).order == ("top_k", "temperature")
+    assert CompletionRequest.model_validate({"prompt": "x", "samplers": ["top_k"]}).sampling(8).order == ("top_k",)
+    p = CompletionRequest.model_validate({"prompt": "x", "t_max_predict_ms": 250}).sampling(8)
+    assert p.t_max_predict_ms == 250
+
+
+def test_cache_prompt_is_taken_on_every_route():
+    for cls, body in ((CompletionRequest, {"prompt": "x"}), (LlamaCompletionRequest, {"prompt": "x"}),
+                      (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]})):
+        assert cls.model_validate({**body, "cache_prompt": False}).cache_prompt is False
+
+
+def _final(**kw) -> Output:
+    base = dict(request_id="r", text="", n_tokens=1, finish_reason=FinishReason.STOP, prompt_tokens=10,
+                completion_tokens=5, cached_tokens=4, t_queue=0.1, t_first_token=0.6, t_end=1.6)
+    return Output(**{**base, **kw})
+
+
+def test_timings_are_llama_servers():
+    t = timings(_final())
+    assert t["prompt_n"] == 6 and t["cache_n"] == 4 and t["predicted_n"] == 5
+    assert t["prompt_ms"] == pytest.approx(500) and t["prompt_per_second"] == pytest.approx(12)
+    assert t["predicted_ms"] == pytest.approx(1000) and t["predicted_per_second"] == pytest.approx(4)
+    assert t["predicted_per_token_ms"] == pytest.approx(250)
+
+
+def test_completion_probabilities_are_llama_servers():
+    o = _final(tokens=(7, 9), logprobs=((b"a", -0.1, ((b"a", -0.1), (b"b", -2.0))), (b"\xc3", -0.5, ())))
+    p = completion_probabilities(o)
+    assert p[0] == {"id": 7, "token": "a", "bytes": [97], "logprob": -0.1,
+                    "top_logprobs": [{"token": "a", "bytes": [97], "logprob": -0.1},
+                                     {"token": "b", "bytes": [98], "logprob": -2.0}]}
+    assert p[1]["id"] == 9 and p[1]["bytes"] == [0xC3] and p[1]["top_logprobs"] == []
+    assert completion_probabilities(_final()) == []
