@@ -27,6 +27,7 @@ from deployments.protocol import (
     ApplyTemplateRequest,
     ChatCompletionRequest,
     DetokenizeRequest,
+    InfillRequest,
     TokenizeRequest,
     piece_json,
 )
@@ -40,6 +41,7 @@ from engine import (
     SamplingParams,
     SlotBusyError,
 )
+from engine.infill import infill_tokens
 from engine.tokenizer import Tokenizer
 from engine.tools import ToolPlan
 from engine.types import SHUTTING_DOWN, FinishReason, Request
@@ -294,6 +296,10 @@ class EngineDeployment:
                                             id_slot=req.id_slot), extra
         prompt = req.prompt
         params = req.sampling(self._default_max_tokens())
+        if isinstance(req, InfillRequest):
+            asked = max(req.n_predict or 0, req.max_tokens or 0, 0)
+            prompt = infill_tokens(self.engine.tokenizer, req.input_prefix, req.input_suffix, req.prompt, req.extra(),
+                                   self.config.n_batch, self.engine.n_ctx_slot, asked)
         r = self.engine.make_request(prompt, params, request_id, cache_prompt=req.cache_prompt, n=req.n,
                                      id_slot=req.id_slot)
         if req.echo:  # after make_request: token ids are checked there (400), not decoded blind

@@ -33,6 +33,7 @@ from deployments.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    InfillRequest,
     LlamaCompletionRequest,
     ResponsesRequest,
     TokenizeRequest,
@@ -72,6 +73,7 @@ _BODY_MODELS = {
     "DetokenizeRequest": DetokenizeRequest,
     "ApplyTemplateRequest": ApplyTemplateRequest,
     "LlamaCompletionRequest": LlamaCompletionRequest,
+    "InfillRequest": InfillRequest,
     "ResponsesRequest": ResponsesRequest,
 }
 
@@ -378,7 +380,7 @@ class Ingress:
             raise HTTPError(404, f"the model {name!r} does not exist; this server serves {self.model_names[0]!r}", "model")
 
     def _validate(self, kind: str, body: dict) -> ChatCompletionRequest | CompletionRequest | ResponsesRequest:
-        model_cls = {"chat": ChatCompletionRequest, "llama": LlamaCompletionRequest,
+        model_cls = {"chat": ChatCompletionRequest, "llama": LlamaCompletionRequest, "infill": InfillRequest,
                      "responses": ResponsesRequest}.get(kind, CompletionRequest)
         req, unknown = validate_body(model_cls, body, self.strict)
         (req.to_chat() if isinstance(req, ResponsesRequest) else req).sampling(1)
@@ -450,7 +452,7 @@ class Ingress:
     async def _answer(self, kind: str, rid: str, p: _Pending, api_req: Any, req: Any, res: dict) -> Response:
         """The answer, in the shape of the route, streamed or whole."""
         model = self.model_names[0]
-        if kind == "llama":
+        if kind in ("llama", "infill"):
             want_tokens = bool(getattr(req, "return_tokens", False))
             if req.stream:
                 return self._stream(rid, self._llama_sse(rid, p.queue, model, want_tokens))
@@ -646,6 +648,10 @@ class Ingress:
     @app.post("/completion", openapi_extra=_body("LlamaCompletionRequest"))
     async def llama_completion(self, request: Request) -> Response:
         return await self._submit(request, "llama")
+
+    @app.post("/infill", openapi_extra=_body("InfillRequest"))
+    async def infill(self, request: Request) -> Response:
+        return await self._submit(request, "infill")
 
     @app.post("/v1/responses", openapi_extra=_body("ResponsesRequest"))
     async def responses(self, request: Request) -> Response:

@@ -541,6 +541,36 @@ def completion_probabilities(o: Any) -> list[dict[str, Any]]:
     return out
 
 
+class InfillChunk(ApiModel):
+    """One extra context chunk of an infill request (another file, or part of one)."""
+
+    text: str = ""
+    filename: str = Field(default="", max_length=4096)
+
+
+class InfillRequest(LlamaCompletionRequest):
+    """``POST /infill``: llama-server's fill-in-the-middle, from the model's FIM tokens; the
+    answer as ``/completion``'s."""
+
+    prompt: str = Field(default="", description="Text the middle starts with (after the prefix).")
+    input_prefix: str = Field(default="", description="The code before the cursor.")
+    input_suffix: str = Field(default="", description="The code after the cursor.")
+    input_extra: list[InfillChunk] = Field(default_factory=list, max_length=1024,
+                                           description="Extra context chunks [{text, filename}], most relevant last.")
+    t_max_prompt_ms: int | None = Field(default=None, description="llama.vscode's (accepted; the prompt is not cut by time).")
+
+    @model_validator(mode="after")
+    def _size(self) -> InfillRequest:
+        total = len(self.prompt) + len(self.input_prefix) + len(self.input_suffix) + sum(
+            len(c.text) + len(c.filename) for c in self.input_extra)
+        if total > MAX_PROMPT_CHARS:
+            raise ValueError(f"prefix, suffix, prompt and extra chunks are longer than {MAX_PROMPT_CHARS} characters")
+        return self
+
+    def extra(self) -> list[tuple[str, str]]:
+        return [(c.filename, c.text) for c in self.input_extra]
+
+
 def timings(o: Any) -> dict[str, Any]:
     """llama-server's ``timings`` of a request's final output (its web UI's statistics bar
     reads them): the prompt's evaluation from the slot's start to the first token, then the

@@ -50,10 +50,16 @@ class ModelShape:
     n_ctx_train: int = 4096
     ftype: str = "f16"  # "f16" or "q8_0"
     seed: int = 1234
+    fim: bool = False  # fill-in-the-middle tokens (prefix, suffix, middle, repo, file separator)
 
 
-def build_vocab(n_vocab: int) -> tuple[list[bytes], list[float], list[int]]:
-    """The vocabulary: control tokens, 256 byte tokens, word pieces, then fillers."""
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|repo_name|>", "<|file_sep|>")
+FIM_KEYS = ("pre", "suf", "mid", "rep", "sep")  # tokenizer.ggml.fim_<key>_token_id, in FIM_TOKENS' order
+
+
+def build_vocab(n_vocab: int, fim: bool = False) -> tuple[list[bytes], list[float], list[int]]:
+    """The vocabulary: control tokens (the FIM ones too with ``fim``, ids 5 to 9), 256 byte
+    tokens, word pieces, then fillers."""
     from gguf import TokenType
 
     tokens: list[bytes] = []
@@ -70,6 +76,8 @@ def build_vocab(n_vocab: int) -> tuple[list[bytes], list[float], list[int]]:
     add("</s>", 0.0, TokenType.CONTROL)
     add("<|im_start|>", 0.0, TokenType.CONTROL)
     add("<|im_end|>", 0.0, TokenType.CONTROL)
+    for t in FIM_TOKENS if fim else ():
+        add(t, 0.0, TokenType.CONTROL)
     for b in range(256):
         add(f"<0x{b:02X}>", 0.0, TokenType.BYTE)
     seen = set()
@@ -128,7 +136,7 @@ def write_model(path: str | os.PathLike[str], shape: ModelShape = ModelShape()) 
     ftype = gguf.LlamaFileType.MOSTLY_F16 if shape.ftype == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0
     w.add_file_type(ftype)
 
-    tokens, scores, types = build_vocab(shape.n_vocab)
+    tokens, scores, types = build_vocab(shape.n_vocab, shape.fim)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -139,6 +147,9 @@ def write_model(path: str | os.PathLike[str], shape: ModelShape = ModelShape()) 
     w.add_eos_token_id(4)  # <|im_end|> ends a chat turn
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
+    if shape.fim:
+        for key, text in zip(FIM_KEYS, FIM_TOKENS, strict=True):
+            w.add_uint32(f"tokenizer.ggml.fim_{key}_token_id", tokens.index(text.encode()))
     w.add_chat_template(CHAT_TEMPLATE)
 
     qtype = gguf.GGMLQuantizationType.F16 if shape.ftype == "f16" else gguf.GGMLQuantizationType.Q8_0
