@@ -282,7 +282,7 @@ class EngineDeployment:
                 return ApiError(429, str(e))
             return ApiError(503, str(e))
         return {"prompt_tokens": len(r.prompt_tokens), "n_predict": r.n_predict, "replica": self._replica,
-                "conn": conn_id, **extra}
+                "conn": conn_id, "n_ctx": self.engine.n_ctx_slot, **extra}
 
     def _prepare(self, request_id: str, req: ApiRequest) -> tuple[Request, dict[str, Any]]:
         """The engine request, and for the ingress: the echoed prompt, the tool-call parser's
@@ -296,6 +296,9 @@ class EngineDeployment:
                                             id_slot=req.id_slot), extra
         prompt = req.prompt
         params = req.sampling(self._default_max_tokens())
+        n_cmpl, most = getattr(req, "n_cmpl", 1), self.config.n_slots_per_group
+        if n_cmpl > most:  # llama-server's words: llama.vscode reads them and asks for fewer
+            raise RequestError(f"Field 'n_cmpl': Value must be between 1 and {most} (the slots of one pipeline group)")
         if isinstance(req, InfillRequest):
             asked = max(req.n_predict or 0, req.max_tokens or 0, 0)
             prompt = infill_tokens(self.engine.tokenizer, req.input_prefix, req.input_suffix, req.prompt, req.extra(),

@@ -455,8 +455,8 @@ class Ingress:
         if kind in ("llama", "infill"):
             want_tokens = bool(getattr(req, "return_tokens", False))
             if req.stream:
-                return self._stream(rid, self._llama_sse(rid, p.queue, model, want_tokens))
-            return await self._llama_collect(rid, p.queue, model, want_tokens)
+                return self._stream(rid, self._llama_sse(rid, p.queue, model, want_tokens, res.get("n_ctx", 0)))
+            return await self._llama_collect(rid, p.queue, model, want_tokens, req.n, res.get("n_ctx", 0))
         if kind == "responses":
             shaper = ResponsesShaper(rid, model, api_req)
             if req.stream:
@@ -595,26 +595,33 @@ class Ingress:
             if out:
                 yield out
 
-    async def _llama_collect(self, rid: str, q: asyncio.Queue, model: str, want_tokens: bool) -> Response:
-        parts: list[str] = []
-        tokens: list[int] = []
-        probs: list[dict] = []
-        last = None
+    async def _llama_collect(self, rid: str, q: asyncio.Queue, model: str, want_tokens: bool, n: int = 1,
+                             n_ctx: int = 0) -> Response:
+        """llama-server's answer: one object, or with ``n_cmpl`` > 1 a list, one per choice."""
+        parts: list[list[str]] = [[] for _ in range(n)]
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        probs: list[list[dict]] = [[] for _ in range(n)]
+        lasts: list[Output | None] = [None] * n
         async for batch in self._outputs(rid, q):
-            for o in batch:
-                parts.append(o.text)
-                tokens.extend(o.tokens)
-                probs.extend(completion_probabilities(o))
-            last = batch[-1]
-        assert last is not None
-        if last.finish_reason is not None and last.finish_reason.failed:
-            return _error_of(last)
-        body = llama_final(last, "".join(parts), model, tokens if want_tokens else None)
-        if probs:
-            body["completion_probabilities"] = probs
-        return JSONResponse(body)
+            for i, outs in by_choice(batch).items():
+                for o in outs:
+                    parts[i].append(o.text)
+                    tokens[i].extend(o.tokens)
+                    probs[i].extend(completion_probabilities(o))
+                lasts[i] = outs[-1]
+        bodies = []
+        for i, last in enumerate(lasts):
+            if last is None or last.finish_reason is None:  # the wait timed out
+                return err_response(504, f"request timed out after {self.request_timeout_s} s")
+            if last.finish_reason.failed:
+                return _error_of(last)
+            body = llama_final(last, "".join(parts[i]), model, tokens[i] if want_tokens else None, n_ctx)
+            if probs[i]:
+                body["completion_probabilities"] = probs[i]
+            bodies.append(body)
+        return JSONResponse(bodies if n > 1 else bodies[0])
 
-    async def _llama_sse(self, rid: str, q: asyncio.Queue, model: str, want_tokens: bool):
+    async def _llama_sse(self, rid: str, q: asyncio.Queue, model: str, want_tokens: bool, n_ctx: int = 0):
         """llama-server's /completion stream: ``{"content", "stop": false}`` events, then the
         final object with ``stop: true`` (no ``[DONE]``, as llama-server)."""
         async for batch in self._outputs(rid, q):
@@ -626,7 +633,7 @@ class Ingress:
                 return
             probs = [p for o in batch for p in completion_probabilities(o)]
             if last.finish_reason is not None:
-                event = llama_final(last, text, model, toks if want_tokens else None)
+                event = llama_final(last, text, model, toks if want_tokens else None, n_ctx)
                 if probs:
                     event["completion_probabilities"] = probs
                 yield b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"

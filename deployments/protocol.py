@@ -18,7 +18,7 @@ from pydantic import (
 )
 
 from engine.grammar import JSON_OBJECT_SCHEMA, GrammarSpec, check_source
-from engine.sampling import SamplingParams
+from engine.sampling import SAMPLER_NAMES, SamplingParams
 from engine.tools import check_tools, chosen, template_message
 
 MAX_PROMPT_CHARS = 1_000_000
@@ -182,10 +182,12 @@ class _Common(ApiModel):
     @field_validator("samplers", mode="before")
     @classmethod
     def _sampler_letters(cls, v: object) -> object:
-        """llama-server's letter string (``"edkypmxt"``): each letter a sampler, unknown ones
-        skipped as llama-server skips them."""
+        """llama-server's letter string (``"edkypmxt"``) or names; letters and names it does not
+        know are skipped, as llama-server skips them (``infill``, llama.vscode's, among them)."""
         if isinstance(v, str):
             return [SAMPLER_LETTERS[c] for c in v if c in SAMPLER_LETTERS]
+        if isinstance(v, list):
+            return [x for x in v if not isinstance(x, str) or x in SAMPLER_NAMES]
         return v
 
     @field_validator("stop")
@@ -223,11 +225,13 @@ class _Common(ApiModel):
         raise ValueError(f"response_format type {kind!r} is not one of text, json_object, json_schema")
 
     def sampling(self, default_max_tokens: int, max_tokens: int | None = None) -> SamplingParams:
-        limits = [v for v in (max_tokens, self.max_tokens, self.n_predict) if v is not None]
+        limits = [v for v in (max_tokens, self.max_tokens) if v is not None]
         if 0 in limits:
             raise ValueError("max_tokens must be at least 1 (or -1: until the slot's context is full)")
+        if self.n_predict is not None:
+            limits.append(self.n_predict)  # llama-server's: 0 evaluates (and caches) the prompt only
         d: dict[str, Any] = {
-            "max_tokens": next((v for v in limits if v > 0), default_max_tokens),
+            "max_tokens": next((v for v in limits if v >= 0), default_max_tokens),
             "stop": self.stop,
             "ignore_eos": self.ignore_eos,
             "grammar": self.grammar_spec(),
@@ -517,11 +521,21 @@ class LlamaCompletionRequest(CompletionRequest):
     the stream in its shapes)."""
 
     return_tokens: bool = Field(default=False, description="Return the generated token ids too.")
+    n_cmpl: int = Field(default=1, ge=1, le=16, description="llama-server's choices of one prompt: more than one "
+                        "answers a list of completions (at most the slots of one pipeline group).")
+    n_indent: int | None = Field(default=None, ge=0, description="llama-server's least indentation of infill lines "
+                                 "(accepted; not applied).")
+    backend_sampling: bool | None = Field(default=None, description="llama-server's per-request switch (accepted; "
+                                          "the engine's backend_sampling decides).")
 
     @model_validator(mode="after")
     def _slot(self) -> LlamaCompletionRequest:
         if self.n != 1:
-            raise ValueError("/completion answers one choice; use /v1/completions for n > 1")
+            raise ValueError("/completion answers one choice; use /v1/completions for n > 1, or n_cmpl")
+        if self.n_cmpl > 1:
+            if self.stream:
+                raise ValueError("n_cmpl > 1 answers a list of completions, which is not streamed")
+            self.n = self.n_cmpl
         return self
 
 
@@ -546,6 +560,7 @@ class InfillChunk(ApiModel):
 
     text: str = ""
     filename: str = Field(default="", max_length=4096)
+    time: float | None = Field(default=None, description="llama.vscode's (when the chunk was taken; accepted).")
 
 
 class InfillRequest(LlamaCompletionRequest):
@@ -592,7 +607,7 @@ def timings(o: Any) -> dict[str, Any]:
     }
 
 
-def llama_final(o: Any, content: str, model: str, tokens: list[int] | None) -> dict[str, Any]:
+def llama_final(o: Any, content: str, model: str, tokens: list[int] | None, n_ctx: int = 0) -> dict[str, Any]:
     """llama-server's last /completion object (``stop: true``) for a request's final output."""
     if o.finish_reason == "length":
         stop_type = "limit"
@@ -612,6 +627,7 @@ def llama_final(o: Any, content: str, model: str, tokens: list[int] | None) -> d
         "id_slot": o.slot,
         "truncated": False,
         "timings": timings(o),
+        "generation_settings": {"n_ctx": n_ctx},  # the slot's context (llama.vscode's status bar)
     }
     if tokens is not None:
         out["tokens"] = tokens

@@ -164,8 +164,8 @@ class Engine:
         per_group = self.config.n_slots_per_group
         if not -1 <= id_slot < len(self.slots):
             raise RequestError(f"id_slot {id_slot} does not exist; slots are 0..{len(self.slots) - 1} (or -1: any)")
-        if id_slot >= 0 and n > 1:
-            raise RequestError("id_slot picks one slot; n > 1 needs several")
+        if id_slot >= 0 and n > 1:  # several choices need several slots: the pin cannot hold (llama.vscode sends both)
+            id_slot = -1
         if n > per_group:
             raise RequestError(f"n={n} needs {n} slots of one pipeline group; each group has {per_group} "
                                "(n_parallel / pipeline_groups)")

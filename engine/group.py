@@ -540,6 +540,9 @@ class PipelineGroup:
         def done(reason: FinishReason, tail: str, n: int, **kw: object) -> Output:
             return self._finish(s, reason, "".join(texts) + tail, n_tokens=n, tokens=tuple(emitted), **kw)
 
+        if r.n_predict == 0:  # llama-server's n_predict 0: the prompt is evaluated (and cached), nothing generated
+            return done(FinishReason.LENGTH, "", 0)
+
         for i, tok in enumerate(toks):
             if tok < 0:
                 error, status = self._row_errors.pop(s.id, ("sampling failed", 500))

@@ -36,7 +36,8 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_tokens: int = Field(default=256, ge=1, le=1_000_000)
+    max_tokens: int = Field(default=256, ge=0, le=1_000_000, description="Most tokens to generate; 0: evaluate "
+                            "(and cache) the prompt only, as llama-server's n_predict 0.")
     temperature: float = Field(default=0.8, ge=0.0, le=2.0)
     top_k: int = Field(default=40, ge=0)
     top_p: float = Field(default=0.95, gt=0.0, le=1.0)

@@ -54,6 +54,7 @@ class EngineMetrics:
         self.stage_rss = Gauge(P + "stage_resident_memory_bytes", "Resident memory of a stage's process (engine or RPC server).", [*base, "stage"], registry=r)
         self._groups = _GroupCollector(model, replica)
         r.register(self._groups)
+        r.register(_LlamaServerNames(self))
         self._t0 = time.monotonic()
         b = self._b = {"model": model, "replica": replica}
         for reason in FINISH_REASONS:
@@ -105,6 +106,49 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _LlamaServerNames:
+    """llama-server's ``llamacpp:*`` series, for dashboards made for it: the same counts as the
+    series above (read from them at scrape time, never counted twice), under its names."""
+
+    def __init__(self, m: EngineMetrics) -> None:
+        self.m = m
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        m, b = self.m, self.m._b
+        lab = ["model", "replica"]
+        v = [b["model"], b["replica"]]
+
+        def value(metric: Any) -> float:
+            return metric.labels(**b)._value.get()
+
+        prompt_n = value(m.prompt_tokens) - value(m.prompt_tokens_cached)  # evaluated, as llama-server counts
+        prompt_s, gen_n, gen_s = value(m.prompt_seconds), value(m.generation_tokens), value(m.generation_seconds)
+        snaps = m._groups.snaps
+        steps = sum(s.steps for s in snaps)
+        rows = [
+            (CounterMetricFamily, "prompt_tokens", "Number of prompt tokens processed.", prompt_n),
+            (CounterMetricFamily, "prompt_seconds", "Prompt process time.", prompt_s),
+            (CounterMetricFamily, "tokens_predicted", "Number of generation tokens processed.", gen_n),
+            (CounterMetricFamily, "tokens_predicted_seconds", "Predict process time.", gen_s),
+            (CounterMetricFamily, "n_decode", "Number of llama_decode() calls.", steps),
+            (GaugeMetricFamily, "n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call.",
+             sum(s.busy_slots_sum for s in snaps) / max(steps, 1)),
+            (GaugeMetricFamily, "prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
+             prompt_n / prompt_s if prompt_s else 0.0),
+            (GaugeMetricFamily, "predicted_tokens_seconds", "Average generation throughput in tokens/s.",
+             gen_n / gen_s if gen_s else 0.0),
+            (GaugeMetricFamily, "requests_processing", "Number of requests processing.", value(m.running)),
+            (GaugeMetricFamily, "requests_deferred", "Number of requests deferred.", value(m.waiting)),
+        ]
+        for kind, name, doc, x in rows:
+            f = kind("llamacpp:" + name, doc, labels=lab)
+            f.add_metric(v, x)
+            yield f
 
 
 class _GroupCollector:

@@ -135,3 +135,13 @@ def test_t_max_predict_ms_ends_the_output_at_a_newline_after_the_limit(make_engi
     no_newline = e.generate("go", SamplingParams(temperature=0.5, seed=1, max_tokens=40, grammar='root ::= [a-z]{40,1000}',
                                                  t_max_predict_ms=1))
     assert no_newline.final.completion_tokens == 40
+
+
+def test_max_tokens_0_evaluates_and_caches_the_prompt_only(make_engine):
+    """llama-server's n_predict 0 (llama.vscode warms its context with it)."""
+    e = make_engine(n_parallel=1)
+    prompt = "a prompt to keep in the slot " * 4
+    warm = e.generate(prompt, SamplingParams(temperature=0, max_tokens=0))
+    assert warm.final.finish_reason == "length" and warm.final.completion_tokens == 0 and warm.text == ""
+    again = e.generate(prompt + " and more", SamplingParams(temperature=0, max_tokens=2))
+    assert again.final.cached_tokens >= warm.final.prompt_tokens - 1

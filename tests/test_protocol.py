@@ -44,8 +44,12 @@ def test_minus_one_tokens_is_until_the_context_is_full(field):
     chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
                                                  "max_completion_tokens": -1, "max_tokens": 5})
     assert chat.sampling(777, chat.max_completion_tokens).max_tokens == 5
-    with pytest.raises(ValueError, match="at least 1"):
-        CompletionRequest.model_validate({"prompt": "x", field: 0}).sampling(10)
+    zero = CompletionRequest.model_validate({"prompt": "x", field: 0})
+    if field == "n_predict":  # llama-server's: evaluate and cache the prompt, generate nothing
+        assert zero.sampling(10).max_tokens == 0
+    else:
+        with pytest.raises(ValueError, match="at least 1"):
+            zero.sampling(10)
 
 
 def test_llama_servers_sampler_letters_and_names():

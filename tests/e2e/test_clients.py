@@ -1,0 +1,126 @@
+"""Real clients, unchanged: the bodies llama-server's own clients send (kept as fixtures in
+tests/fixtures/clients.json, each naming the source file it was read from), OpenAI's types
+with nulls, clients left at their default model name, llama-server's routes, fields, timings,
+probabilities and metric names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.synthetic_model import ModelShape, write_model
+from tests.e2e.test_http_api import APP
+
+FIXTURES = {k: v for k, v in json.loads((Path(__file__).parents[1] / "fixtures" / "clients.json").read_text()).items()
+            if not k.startswith("_")}
+
+
+@pytest.fixture(scope="module")
+def base(deploy) -> str:
+    """The API app on a synthetic model that carries FIM tokens (for /infill)."""
+    path = Path(__file__).parents[2] / "models" / "synthetic-fim.gguf"
+    if not path.exists():
+        write_model(path, ModelShape(fim=True))
+    return deploy({**APP, "model": str(path)})
+
+
+def sse(r: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_a_clients_own_body_is_served(base, name):
+    fx = FIXTURES[name]
+    body = {**fx["body"], **fx.get("test_overrides", {})}  # a short answer; the fields stay the client's
+    with httpx.stream("POST", base + fx["path"], json=body, timeout=120) as r:
+        assert r.status_code == 200, (name, r.read()[:300])
+        if body.get("stream"):
+            events = sse(r)
+            assert events, name
+            last = events[-1]
+        else:
+            last = json.loads(r.read())
+    if fx["path"] in ("/infill", "/completion"):
+        answers = last if isinstance(last, list) else [last]  # n_cmpl > 1: a list, as llama-server answers
+        assert len(answers) == body.get("n_cmpl", 1)
+        for a in answers:
+            assert a["stop"] is True and "content" in a and a["generation_settings"]["n_ctx"] > 0, a
+            assert a["timings"]["prompt_per_second"] >= 0 and a["tokens_predicted"] == body["n_predict"] or \
+                a["stop_type"] != "limit", a
+    else:
+        assert "timings" in last and last["timings"]["predicted_n"] >= 1, last  # the web UI's statistics bar
+        assert last["choices"][0]["finish_reason"] in ("stop", "length"), last
+
+
+def test_fields_sent_as_null_mean_their_default(base):
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": None, "stream": None, "max_tokens": 3,
+            "temperature": None, "stop": None, "tools": None, "tool_choice": None, "response_format": None,
+            "logprobs": None, "top_logprobs": None, "seed": None, "user": None}
+    r = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+
+
+@pytest.mark.parametrize("model", ["gpt-4o-mini", "gpt-3.5-turbo", "whatever/any:latest"])
+def test_any_model_name_serves_the_model(base, model):
+    r = httpx.post(base + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_unknown_fields_are_ignored_and_counted(base):
+    r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "frobnicate_7b": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    text = httpx.get(base + "/metrics", timeout=30).text
+    counts = {s.labels.get("field"): s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == "pgroups_ignored_request_fields_total"}
+    assert counts.get("frobnicate_7b", 0) >= 1, counts
+
+
+def test_llama_servers_route_aliases_and_models_meta(base):
+    assert httpx.get(base + "/v1/health").status_code == 200
+    for path in ("/v1/models", "/models"):
+        data = httpx.get(base + path, timeout=30).json()["data"]
+        assert data[0]["meta"]["n_vocab"] > 0 and data[0]["meta"]["n_ctx_train"] > 0, data
+    r = httpx.post(base + "/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["object"] == "text_completion"
+    r = httpx.post(base + "/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+
+
+def test_completion_probabilities_with_n_probs(base):
+    r = httpx.post(base + "/completion", json={"prompt": "hello", "n_predict": 3, "n_probs": 2, "ignore_eos": True},
+                   timeout=60)
+    probs = r.json()["completion_probabilities"]
+    assert len(probs) == 3 and all(len(p["top_logprobs"]) == 2 and "id" in p and p["logprob"] <= 0 for p in probs)
+    with httpx.stream("POST", base + "/completion", json={"prompt": "hello", "n_predict": 3, "n_probs": 1,
+                                                          "ignore_eos": True, "stream": True}, timeout=60) as s:
+        events = sse(s)
+    assert sum(len(e.get("completion_probabilities", [])) for e in events) == 3
+
+
+def test_the_agents_sdks_responses_body(base):
+    # what the OpenAI Agents SDK's default model (OpenAIResponsesModel) sends for a plain agent
+    body = {"model": "gpt-4.1", "input": [{"role": "user", "content": "hi"}], "instructions": "Be brief.",
+            "include": [], "tools": [], "stream": False, "store": None, "top_p": None, "temperature": None,
+            "truncation": None, "max_output_tokens": 4, "tool_choice": None, "parallel_tool_calls": None,
+            "reasoning": None, "text": None, "metadata": None, "extra_headers": None}
+    r = httpx.post(base + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["output"][0]["content"][0]["type"] == "output_text"
+
+
+def test_llamacpp_metric_names_count_what_the_project_counts(base):
+    httpx.post(base + "/v1/completions", json={"prompt": "count me", "max_tokens": 3, "ignore_eos": True}, timeout=60)
+    values: dict[str, float] = {}
+    for f in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=30).text):
+        for s in f.samples:
+            values[s.name] = values.get(s.name, 0.0) + s.value
+    assert values["llamacpp:tokens_predicted_total"] == values["pgroups_generation_tokens_total"] > 0
+    assert values["llamacpp:prompt_tokens_total"] == \
+        values["pgroups_prompt_tokens_total"] - values["pgroups_prompt_tokens_cached_total"]
+    assert values["llamacpp:n_decode_total"] > 0 and "llamacpp:requests_processing" in values
