@@ -311,6 +311,14 @@ class EngineDeployment:
 
     # ---- llama-server's utility endpoints (off the event loop: inputs can be large) -----------
 
+    async def count_tokens(self, req: ChatCompletionRequest) -> dict | ApiError:
+        """Anthropic's count_tokens: the prompt tokens the chat request would have."""
+        def work() -> dict:
+            prompt, _, _ = chat_prompt(self.engine.tokenizer, req, self._default_max_tokens())
+            return {"input_tokens": len(self.engine.tokenize_prompt(prompt))}
+
+        return await self._utility(work)
+
     async def tokenize(self, body: dict) -> dict | ApiError:
         def work() -> dict:
             req = TokenizeRequest.model_validate(body)

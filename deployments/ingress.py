@@ -27,6 +27,8 @@ from pydantic import ValidationError
 from ray import serve
 from starlette.background import BackgroundTask
 
+from deployments.anthropic import CountTokensRequest, MessagesRequest, MessagesShaper
+from deployments.anthropic import error_body as anthropic_error
 from deployments.protocol import (
     ApiError,
     ApplyTemplateRequest,
@@ -75,6 +77,8 @@ _BODY_MODELS = {
     "LlamaCompletionRequest": LlamaCompletionRequest,
     "InfillRequest": InfillRequest,
     "ResponsesRequest": ResponsesRequest,
+    "MessagesRequest": MessagesRequest,
+    "CountTokensRequest": CountTokensRequest,
 }
 
 
@@ -168,6 +172,23 @@ def _error_of(o: Output) -> JSONResponse:
 
 
 _BACKGROUND: set[asyncio.Task] = set()  # strong references until done
+
+
+def _engine_request(req: Any) -> Any:
+    """The request the engine runs: Responses and Messages requests are served as chat."""
+    return req.to_chat() if isinstance(req, ResponsesRequest | MessagesRequest) else req
+
+
+def _anthropic_errors(resp: Response) -> Response:
+    """An error answer in OpenAI's shape, in Anthropic's instead."""
+    if resp.status_code < 400 or not isinstance(resp, JSONResponse):
+        return resp
+    try:
+        message = json.loads(resp.body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return resp
+    headers = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
+    return JSONResponse(anthropic_error(resp.status_code, message), status_code=resp.status_code, headers=headers)
 
 
 def _detached(coro: Coroutine) -> asyncio.Task:
@@ -346,7 +367,8 @@ class Ingress:
         if not self.api_key:
             return
         h = request.headers.get("authorization", "")
-        token = h[7:] if h[:7].lower() == "bearer " else ""
+        # Anthropic's clients send the key as x-api-key
+        token = h[7:] if h[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
         if not token or not hmac.compare_digest(token.encode(), self.api_key.encode()):
             raise HTTPError(401, "invalid or missing API key (Authorization: Bearer <key>)")
 
@@ -381,9 +403,10 @@ class Ingress:
 
     def _validate(self, kind: str, body: dict) -> ChatCompletionRequest | CompletionRequest | ResponsesRequest:
         model_cls = {"chat": ChatCompletionRequest, "llama": LlamaCompletionRequest, "infill": InfillRequest,
-                     "responses": ResponsesRequest}.get(kind, CompletionRequest)
+                     "responses": ResponsesRequest, "messages": MessagesRequest,
+                     "count_tokens": CountTokensRequest}.get(kind, CompletionRequest)
         req, unknown = validate_body(model_cls, body, self.strict)
-        (req.to_chat() if isinstance(req, ResponsesRequest) else req).sampling(1)
+        _engine_request(req).sampling(1)
         for name in unknown:
             if name not in self.ignored_fields:
                 log.warning("ignoring the unknown request field %r (logged once; set strict_request_fields to "
@@ -415,9 +438,9 @@ class Ingress:
         except ValueError as e:
             raise HTTPError(400, str(e)) from None
         self._check_model(req.model)
-        api_req, req = req, (req.to_chat() if isinstance(req, ResponsesRequest) else req)  # what the engine runs
+        api_req, req = req, _engine_request(req)  # what the engine runs
         conns = await self._connection()
-        rid = {"chat": "chatcmpl-", "responses": "resp_"}.get(kind, "cmpl-") + uuid.uuid4().hex
+        rid = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg-"}.get(kind, "cmpl-") + uuid.uuid4().hex
         p = _Pending(rid, req.n)
         ids = member_ids(rid, req.n)
         for m in ids:
@@ -457,6 +480,11 @@ class Ingress:
             if req.stream:
                 return self._stream(rid, self._llama_sse(rid, p.queue, model, want_tokens, res.get("n_ctx", 0)))
             return await self._llama_collect(rid, p.queue, model, want_tokens, req.n, res.get("n_ctx", 0))
+        if kind == "messages":
+            ms = MessagesShaper(rid, model, res.get("tools"))
+            if req.stream:
+                return self._stream(rid, self._messages_sse(rid, p.queue, ms, res["prompt_tokens"]))
+            return await self._messages_collect(rid, p.queue, ms)
         if kind == "responses":
             shaper = ResponsesShaper(rid, model, api_req)
             if req.stream:
@@ -595,6 +623,33 @@ class Ingress:
             if out:
                 yield out
 
+    async def _messages_collect(self, rid: str, q: asyncio.Queue, ms: MessagesShaper) -> Response:
+        last = None
+        async for batch in self._outputs(rid, q):
+            ms.add(batch)
+            last = batch[-1]
+        if last is None or last.finish_reason is None:
+            return err_response(504, f"request timed out after {self.request_timeout_s} s")
+        if last.finish_reason.failed:
+            return _error_of(last)
+        return JSONResponse(ms.message(last))
+
+    async def _messages_sse(self, rid: str, q: asyncio.Queue, ms: MessagesShaper, prompt_tokens: int):
+        """Anthropic's typed events: message_start, content blocks and their deltas, message_delta
+        (the stop reason and usage), message_stop."""
+        yield ms.opening(prompt_tokens)
+        async for batch in self._outputs(rid, q):
+            last = batch[-1]
+            out = ms.delta("".join(o.text for o in batch))
+            if last.finish_reason is not None and last.finish_reason.failed:
+                yield out + ms.failed(*_error_status(last))
+                return
+            if last.finish_reason is not None:
+                yield out + ms.closing(last)
+                return
+            if out:
+                yield out
+
     async def _llama_collect(self, rid: str, q: asyncio.Queue, model: str, want_tokens: bool, n: int = 1,
                              n_ctx: int = 0) -> Response:
         """llama-server's answer: one object, or with ``n_cmpl`` > 1 a list, one per choice."""
@@ -659,6 +714,33 @@ class Ingress:
     @app.post("/infill", openapi_extra=_body("InfillRequest"))
     async def infill(self, request: Request) -> Response:
         return await self._submit(request, "infill")
+
+    @app.post("/v1/messages", openapi_extra=_body("MessagesRequest"))
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API; its errors in Anthropic's shape."""
+        try:
+            return _anthropic_errors(await self._submit(request, "messages"))
+        except HTTPError as e:
+            return JSONResponse(anthropic_error(e.status, e.message), status_code=e.status, headers=e.headers)
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=_body("CountTokensRequest"))
+    async def count_tokens(self, request: Request) -> Response:
+        try:
+            self._check_auth(request)
+            raw = await self._read_body(request)
+            body = await self._json(request, raw)
+            try:
+                req = await _sized(len(raw), self._validate, "count_tokens", body)
+            except ValidationError as e:
+                raise HTTPError(400, _validation_message(e)) from None
+            except ValueError as e:
+                raise HTTPError(400, str(e)) from None
+            res = await self.engine.count_tokens.remote(req.to_chat())
+        except HTTPError as e:
+            return JSONResponse(anthropic_error(e.status, e.message), status_code=e.status)
+        if isinstance(res, ApiError):
+            return JSONResponse(anthropic_error(res.status, res.message), status_code=res.status)
+        return JSONResponse(res)
 
     @app.post("/v1/responses", openapi_extra=_body("ResponsesRequest"))
     async def responses(self, request: Request) -> Response:

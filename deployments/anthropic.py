@@ -1,0 +1,248 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``): the request
+served as a chat request, the answer and its typed event stream in Anthropic's shapes.
+
+Text, a system prompt, tools (``tool_use`` blocks out, ``tool_result`` blocks back in) and
+``tool_choice`` map onto the chat request; images and documents are refused with a 400 that
+says so; ``thinking`` and cache-control hints are accepted and change nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from pydantic import Field, PrivateAttr, model_validator
+
+from deployments.protocol import ApiModel, ChatCompletionRequest
+from engine.tools import ToolCallStream, limit_calls, parse_tool_calls
+from engine.types import Output
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+               503: "overloaded_error", 504: "api_error"}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def _text_of(content: Any, where: str) -> str:
+    """The text of a ``tool_result``'s or a system prompt's content: a string or text blocks."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for b in content:
+        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
+            raise ValueError(f"{where}: only text blocks are supported here")
+        parts.append(b["text"])
+    return "".join(parts)
+
+
+class MessagesRequest(ApiModel):
+    """``POST /v1/messages``."""
+
+    model: str | None = None
+    max_tokens: int = Field(ge=1, le=1_000_000)
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = Field(default=None, max_length=16)
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    # accepted; nothing here changes with them
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    service_tier: str | None = None
+    container: Any = None
+    _chat: ChatCompletionRequest | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _as_chat(self) -> MessagesRequest:
+        self._chat = ChatCompletionRequest.model_validate(self.chat_body())
+        return self
+
+    def to_chat(self) -> ChatCompletionRequest:
+        return self._chat
+
+    def chat_body(self, max_tokens: int | None = None) -> dict[str, Any]:
+        msgs: list[dict[str, Any]] = []
+        if self.system:
+            msgs.append({"role": "system", "content": _text_of(self.system, "system")})
+        for i, m in enumerate(self.messages):
+            msgs.extend(_chat_messages(i, m))
+        body: dict[str, Any] = {"messages": msgs, "max_tokens": max_tokens or self.max_tokens, "stream": self.stream,
+                                "model": self.model}
+        if self.stop_sequences:
+            body["stop"] = self.stop_sequences
+        for k in ("temperature", "top_p", "top_k"):
+            if getattr(self, k) is not None:
+                body[k] = getattr(self, k)
+        if self.tools:
+            body["tools"] = [_chat_tool(i, t) for i, t in enumerate(self.tools)]
+        if self.tool_choice:
+            kind = self.tool_choice.get("type")
+            choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+            if kind == "tool":
+                choice = {"type": "function", "function": {"name": self.tool_choice.get("name")}}
+            if choice is None:
+                raise ValueError(f"tool_choice type {kind!r} is not one of auto, any, tool, none")
+            body["tool_choice"] = choice
+            if self.tool_choice.get("disable_parallel_tool_use"):
+                body["parallel_tool_calls"] = False
+        return body
+
+
+class CountTokensRequest(MessagesRequest):
+    """``POST /v1/messages/count_tokens``: the same body, without ``max_tokens``."""
+
+    max_tokens: int = Field(default=1, ge=1, le=1_000_000)
+
+
+def _chat_tool(i: int, t: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+        raise ValueError(f"tools[{i}]: a tool needs a name (server tools such as web search are not supported)")
+    fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
+    if t.get("description"):
+        fn["description"] = t["description"]
+    return {"type": "function", "function": fn}
+
+
+def _chat_messages(i: int, m: dict[str, Any]) -> list[dict[str, Any]]:
+    role, content = m.get("role"), m.get("content")
+    if role not in ("user", "assistant"):
+        raise ValueError(f"messages[{i}].role must be user or assistant")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise ValueError(f"messages[{i}].content must be a string or a list of content blocks")
+    out: list[dict[str, Any]] = []
+    text: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, b in enumerate(content):
+        kind = b.get("type") if isinstance(b, dict) else None
+        where = f"messages[{i}].content[{j}]"
+        if kind == "text":
+            text.append(str(b.get("text", "")))
+        elif kind == "tool_use" and role == "assistant":
+            calls.append({"id": str(b.get("id") or "toolu_" + uuid.uuid4().hex[:24]), "type": "function",
+                          "function": {"name": str(b.get("name", "")), "arguments": json.dumps(b.get("input") or {})}})
+        elif kind == "tool_result" and role == "user":
+            result = _text_of(b.get("content"), where)
+            out.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
+                        "content": ("Error: " + result) if b.get("is_error") else result})
+        elif kind in ("thinking", "redacted_thinking"):
+            continue  # a reasoning trace of an earlier turn: not part of the prompt here
+        elif kind in ("image", "document"):
+            raise ValueError(f"{where}: {kind} blocks are not supported (text only)")
+        else:
+            raise ValueError(f"{where}: unsupported content block type {kind!r}")
+    if text or calls or not out:
+        msg: dict[str, Any] = {"role": role, "content": "".join(text)}
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
+class MessagesShaper:
+    """One ``/v1/messages`` answer: the message object, or its stream of typed events."""
+
+    def __init__(self, rid: str, model: str, tools: dict | None) -> None:
+        self.id = "msg_" + rid.split("-", 1)[-1]
+        self.model = model
+        self.tools = tools
+        self.parts: list[str] = []
+        self._calls = ToolCallStream(tools["names"], tools["parallel"]) if tools else None
+        self._text_open = False
+        self._index = 0
+
+    def _message(self, content: list[dict[str, Any]], stop_reason: str | None, stop_sequence: str | None,
+                 usage: dict[str, int]) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
+
+    @staticmethod
+    def _usage(final: Output) -> dict[str, int]:
+        return {"input_tokens": final.prompt_tokens - final.cached_tokens, "output_tokens": final.completion_tokens,
+                "cache_read_input_tokens": final.cached_tokens, "cache_creation_input_tokens": 0}
+
+    @staticmethod
+    def _stop(final: Output, has_calls: bool) -> tuple[str, str | None]:
+        if has_calls:
+            return "tool_use", None
+        if final.stop_word is not None:
+            return "stop_sequence", final.stop_word
+        return STOP_REASONS.get(str(final.finish_reason), "end_turn"), None
+
+    def add(self, outs: list[Output]) -> None:
+        self.parts.extend(o.text for o in outs)
+
+    def message(self, final: Output) -> dict[str, Any]:
+        text = "".join(self.parts)
+        calls: list[dict[str, Any]] = []
+        if self.tools:
+            text, calls = parse_tool_calls(text, self.tools["names"])
+            calls = limit_calls(calls, self.tools["parallel"])
+        content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
+        content += [_tool_use(c) for c in calls]
+        reason, seq = self._stop(final, bool(calls))
+        return self._message(content, reason, seq, self._usage(final))
+
+    # ---- the stream ---------------------------------------------------------------------------
+
+    @staticmethod
+    def event(kind: str, **fields: Any) -> bytes:
+        return f"event: {kind}\ndata: ".encode() + json.dumps({"type": kind, **fields}, ensure_ascii=False).encode() + b"\n\n"
+
+    def opening(self, prompt_tokens: int) -> bytes:
+        usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
+        return self.event("message_start", message=self._message([], None, None, usage)) + self.event("ping")
+
+    def _text(self, text: str) -> bytes:
+        if not text:
+            return b""
+        out = b""
+        if not self._text_open:
+            out += self.event("content_block_start", index=self._index, content_block={"type": "text", "text": ""})
+            self._text_open = True
+        return out + self.event("content_block_delta", index=self._index, delta={"type": "text_delta", "text": text})
+
+    def delta(self, text: str) -> bytes:
+        return self._text(self._calls.feed(text) if self._calls is not None else text)
+
+    def closing(self, final: Output) -> bytes:
+        out, calls = b"", []
+        if self._calls is not None:
+            rest, calls = self._calls.finish()
+            out += self._text(rest)
+        if self._text_open:
+            out += self.event("content_block_stop", index=self._index)
+            self._index += 1
+        for c in calls:
+            block = _tool_use(c)
+            out += self.event("content_block_start", index=self._index, content_block={**block, "input": {}})
+            out += self.event("content_block_delta", index=self._index,
+                              delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+            out += self.event("content_block_stop", index=self._index)
+            self._index += 1
+        reason, seq = self._stop(final, bool(calls))
+        return out + self.event("message_delta", delta={"stop_reason": reason, "stop_sequence": seq},
+                                usage={"output_tokens": final.completion_tokens}) + self.event("message_stop")
+
+    def failed(self, status: int, message: str) -> bytes:
+        return self.event("error", error=error_body(status, message)["error"])
+
+
+def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call["function"]
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        args = {"_raw": fn["arguments"]}
+    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": fn["name"], "input": args}
+

@@ -1,0 +1,135 @@
+"""Client libraries, through their own code and defaults: Anthropic's SDK (the Messages API),
+the OpenAI Agents SDK with both of its models, langchain-openai and pydantic-ai. The model
+has random weights, so what the tests hold is the protocol (shapes, stop reasons, tool calls
+forced by their grammar), not the text."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import anthropic
+import jsonschema
+import pytest
+
+from tests.e2e.test_http_api import APP
+
+WEATHER = {"name": "get_weather", "description": "Current weather",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                            "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def base(deploy) -> str:
+    return deploy(APP)
+
+
+@pytest.fixture(scope="module")
+def claude(base) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=120)
+
+
+def test_anthropic_sdk_message_and_stream(claude):
+    msg = claude.messages.create(model="claude-sonnet-4-5", max_tokens=6, system="Be brief.",
+                                 messages=[{"role": "user", "content": "hi"}], stop_sequences=["\n\n\n"])
+    assert msg.type == "message" and msg.role == "assistant" and msg.content[0].type == "text"
+    assert msg.stop_reason in ("end_turn", "max_tokens", "stop_sequence") and msg.usage.output_tokens >= 1
+    with claude.messages.stream(model="claude-sonnet-4-5", max_tokens=6,
+                                messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert final.content[0].text == text and final.stop_reason in ("end_turn", "max_tokens")
+    n = claude.messages.count_tokens(model="claude-sonnet-4-5", messages=[{"role": "user", "content": "hi"}])
+    assert n.input_tokens > 1
+
+
+def test_anthropic_sdk_forced_tool_use_and_its_result(claude):
+    msgs = [{"role": "user", "content": "Weather in Oslo?"}]
+    msg = claude.messages.create(model="claude-sonnet-4-5", max_tokens=200, tools=[WEATHER],
+                                 tool_choice={"type": "tool", "name": "get_weather"}, messages=msgs)
+    uses = [b for b in msg.content if b.type == "tool_use"]
+    assert msg.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather", msg
+    jsonschema.validate(uses[0].input, WEATHER["input_schema"])
+    # streamed: the tool_use block arrives whole, as input_json_delta
+    with claude.messages.stream(model="claude-sonnet-4-5", max_tokens=200, tools=[WEATHER],
+                                tool_choice={"type": "any"}, messages=msgs) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "tool_use" and any(b.type == "tool_use" for b in final.content)
+    # the result goes back; tool_choice none answers in text
+    follow = claude.messages.create(model="claude-sonnet-4-5", max_tokens=6, tools=[WEATHER],
+                                    tool_choice={"type": "none"}, messages=[
+        *msgs, {"role": "assistant", "content": [{"type": "tool_use", "id": uses[0].id, "name": "get_weather",
+                                                  "input": uses[0].input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "sunny"}]}])
+    assert follow.content[0].type == "text" and follow.stop_reason != "tool_use"
+
+
+def test_anthropic_sdk_refusals_are_its_errors(claude):
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [image]}])
+    assert e.value.body["error"]["type"] == "invalid_request_error" and "image" in e.value.body["error"]["message"]
+
+
+def test_openai_agents_sdk_with_both_of_its_models(base):
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):  # a bounded output: random weights end it only because its grammar does
+        name: str = Field(max_length=12)
+
+    set_tracing_disabled(True)  # its default exports traces to OpenAI
+
+    async def main() -> None:  # one event loop: the client's connections belong to it
+        client = AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        for model in (OpenAIResponsesModel("gpt-4.1", client), OpenAIChatCompletionsModel("gpt-4.1", client)):
+            agent = Agent(name="brief", instructions="Name a city.", model=model, output_type=City,
+                          model_settings=ModelSettings(max_tokens=200))
+            result = await Runner.run(agent, "hi")
+            assert isinstance(result.final_output, City), (type(model).__name__, result)
+        # plain text through the chat model (a length-cut answer is an answer there)
+        agent = Agent(name="brief", model=OpenAIChatCompletionsModel("gpt-4.1", client),
+                      model_settings=ModelSettings(max_tokens=6))
+        assert isinstance((await Runner.run(agent, "hi")).final_output, str)
+
+    asyncio.run(main())
+
+
+def test_langchain_openai_at_its_default_model(base):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=base + "/v1", api_key="none", max_tokens=6, max_retries=0)  # model: its default
+    assert isinstance(llm.invoke("hi").content, str)
+    assert "".join(c.content for c in llm.stream("hi")) is not None
+    bound = llm.bind_tools([{"type": "function", "function": {"name": WEATHER["name"],
+                                                              "parameters": WEATHER["input_schema"]}}],
+                           tool_choice="get_weather")
+    call = ChatOpenAI(base_url=base + "/v1", api_key="none", max_tokens=200, max_retries=0).bind_tools(
+        bound.kwargs["tools"], tool_choice="get_weather").invoke("Weather in Oslo?")
+    assert call.tool_calls and call.tool_calls[0]["name"] == "get_weather"
+    jsonschema.validate(call.tool_calls[0]["args"], WEATHER["input_schema"])
+
+
+def test_pydantic_ai_structured_output(base):
+    from pydantic import BaseModel, Field
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    class City(BaseModel):
+        name: str = Field(max_length=12)
+
+    model = OpenAIChatModel("gpt-4o-mini", provider=OpenAIProvider(base_url=base + "/v1", api_key="none"))
+    agent = Agent(model, output_type=City, model_settings={"max_tokens": 200})
+    out = agent.run_sync("Name a city.").output
+    assert isinstance(out, City)
+    json.dumps(out.model_dump())
