@@ -42,6 +42,7 @@ from engine import (
     SlotBusyError,
 )
 from engine.infill import infill_tokens
+from engine.reasoning import ReasoningPlan
 from engine.tokenizer import Tokenizer
 from engine.tools import ToolPlan
 from engine.types import SHUTTING_DOWN, FinishReason, Request
@@ -75,7 +76,7 @@ def chat_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest,
     plan = ToolPlan.make(tokenizer.template.source, tokenizer.template.builtin, req.tools, req.tool_choice,
                          req.parallel_tool_calls)
     prompt = tokenizer.apply_chat_template(plan.messages(req.template_messages()), tools=plan.template_tools(),
-                                           kwargs=req.chat_template_kwargs)
+                                           kwargs=req.template_kwargs())
     params = req.sampling(default_max_tokens, req.max_completion_tokens)
     grammar = plan.grammar()
     if grammar is not None:
@@ -292,6 +293,9 @@ class EngineDeployment:
             prompt, params, plan = chat_prompt(self.engine.tokenizer, req, self._default_max_tokens())
             if plan.active:
                 extra["tools"] = {"names": plan.names, "parallel": plan.parallel}
+            thinking = ReasoningPlan.make(req.reasoning_format, self.engine.tokenizer.template.source or "", prompt)
+            if thinking is not None:
+                extra["reasoning"] = thinking
             return self.engine.make_request(prompt, params, request_id, cache_prompt=req.cache_prompt, n=req.n,
                                             id_slot=req.id_slot), extra
         prompt = req.prompt

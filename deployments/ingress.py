@@ -491,7 +491,7 @@ class Ingress:
                 return self._stream(rid, self._responses_sse(rid, p.queue, shaper))
             return await self._responses_collect(rid, p.queue, shaper)
         tools = res.get("tools")  # the tool-call parser's settings, when the request has tools
-        choices = [Choice(i, kind, req.n_logprobs() is not None, tools) for i in range(req.n)]
+        choices = [Choice(i, kind, req.n_logprobs() is not None, tools, res.get("reasoning")) for i in range(req.n)]
         if req.stream:
             return self._stream(rid, self._sse(rid, p.queue, kind, model, req.include_usage, choices))
         return await self._collect(rid, p.queue, kind, model, choices)

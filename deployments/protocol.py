@@ -166,8 +166,12 @@ class _Common(ApiModel):
                                            "chunk of a stream and with every answer.")
     # accepted as llama-server's clients send them, with nothing to change here
     return_progress: bool | None = Field(default=None, description="llama-server's prompt progress (accepted; not sent).")
-    reasoning_format: str | None = Field(default=None, description="llama-server's (accepted; reasoning is not parsed "
-                                         "out: the text is the model's whole output, as 'none').")
+    reasoning_format: Literal["none", "auto", "deepseek", "deepseek-legacy"] | None = Field(
+        default=None, description="llama-server's: auto (the default) or deepseek put a reasoning model's thinking in "
+        "reasoning_content; none leaves the text whole.")
+    thinking_budget_tokens: int | None = Field(
+        default=None, ge=-1, description="0: no thinking (the template's enable_thinking false), as llama-server's "
+        "reasoning budget; -1 or more: unrestricted (a positive budget is not enforced).")
     n_keep: int | None = Field(default=None, ge=-1, description="llama-server's context-shift keep (accepted; a "
                                "prompt longer than the slot is refused, never shifted).")
     response_fields: list[str] | None = Field(default=None, description="llama-server's (accepted; the whole answer is sent).")
@@ -349,6 +353,13 @@ class ChatCompletionRequest(_Common):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The template's variables: ``chat_template_kwargs``, and a thinking budget of 0 as
+        ``enable_thinking: false``."""
+        if self.thinking_budget_tokens == 0:
+            return {**(self.chat_template_kwargs or {}), "enable_thinking": False}
+        return self.chat_template_kwargs
 
     def n_logprobs(self) -> int | None:
         if self.logprobs:

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from deployments.protocol import LogprobsShaper, now, timings, usage
+from engine.reasoning import ReasoningPlan, ReasoningSplitter, split_reasoning
 from engine.tools import ToolCallStream, limit_calls, parse_tool_calls, tool_finish
 from engine.types import Output
 
@@ -50,14 +51,19 @@ class SseEvents:
         self.include_usage = include_usage
 
     def chunk(self, text: str | None, finish: str | None, first: bool = False, logprobs: dict | None = None,
-              tool_calls: list[dict] | None = None, index: int = 0, final: Output | None = None) -> bytes:
-        """One chunk; ``final``: the choice's last output, whose llama-server ``timings`` it carries."""
-        if text and finish is None and not first and logprobs is None and tool_calls is None and index == 0:
+              tool_calls: list[dict] | None = None, index: int = 0, final: Output | None = None,
+              reasoning: str | None = None) -> bytes:
+        """One chunk; ``final``: the choice's last output, whose llama-server ``timings`` it carries;
+        ``reasoning``: thinking text (chat: ``delta.reasoning_content``)."""
+        if text and finish is None and not first and logprobs is None and tool_calls is None and index == 0 \
+                and not reasoning:
             return self._prefix + json.dumps(text, ensure_ascii=False).encode() + self._suffix  # the per-token case
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if text:
                 delta["content"] = text
             if tool_calls:
@@ -80,8 +86,11 @@ class SseEvents:
 class Choice:
     """One choice of a request: what has arrived for it, and its streamed form."""
 
-    def __init__(self, index: int, kind: str, want_logprobs: bool, tools: dict | None) -> None:
+    def __init__(self, index: int, kind: str, want_logprobs: bool, tools: dict | None,
+                 reasoning: ReasoningPlan | None = None) -> None:
         self.index = index
+        self.reasoning = reasoning if kind == "chat" else None
+        self._thinking = ReasoningSplitter(self.reasoning) if self.reasoning is not None else None
         self.kind = kind
         self.parts: list[str] = []
         self.entries: list[tuple] = []
@@ -111,11 +120,14 @@ class Choice:
         if self.kind != "chat":
             return {"index": self.index, "text": text, "finish_reason": finish, "logprobs": lp}
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.reasoning is not None:
+            thinking, text = split_reasoning(self.reasoning, text)
+            message = {"role": "assistant", "content": text, **({"reasoning_content": thinking} if thinking else {})}
         if self.tools is not None:
             content, calls = parse_tool_calls(text, self.tools["names"])
             calls = limit_calls(calls, self.tools["parallel"])
             if calls:
-                message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                message = {**message, "content": content or None, "tool_calls": calls}
                 finish = tool_finish(finish)
         return {"index": self.index, "message": message, "finish_reason": finish, "logprobs": lp}
 
@@ -126,6 +138,12 @@ class Choice:
         caller sends the error)."""
         self.last = outs[-1]
         text = "".join(o.text for o in outs)
+        thinking = ""
+        if self._thinking is not None:
+            thinking, text = self._thinking.feed(text)
+            if self.last.finish_reason is not None:
+                more, rest = self._thinking.finish()
+                thinking, text = thinking + more, text + rest
         if self._calls is not None:
             text = self._calls.feed(text)
         lp = None
@@ -133,8 +151,12 @@ class Choice:
             entries = [e for o in outs if o.logprobs for e in o.logprobs]
             lp = self._shaper.shape(entries) if entries else None
         finish = self.last.finish_reason
+        head = ev.chunk(None, None, index=self.index, reasoning=thinking) if thinking else b""
         if finish is None or finish.failed:
-            return ev.chunk(text, None, logprobs=lp, index=self.index) if text or lp else b""
+            return head + (ev.chunk(text, None, logprobs=lp, index=self.index) if text or lp else b"")
+        return head + self._closing(ev, text, lp, finish)
+
+    def _closing(self, ev: SseEvents, text: str, lp: dict | None, finish: Any) -> bytes:
         calls = None
         if self._calls is not None:  # the held text: content, then the calls it holds
             rest, calls = self._calls.finish()

@@ -16,7 +16,6 @@ from engine.slots import SlotView, choose_slot, common_prefix
         {"temperature": 2.5},
         {"top_p": 0.0},
         {"top_p": 1.5},
-        {"max_tokens": 0},
         {"max_tokens": -3},
         {"min_p": 1.5},
         {"presence_penalty": 3},

@@ -124,3 +124,18 @@ def test_llamacpp_metric_names_count_what_the_project_counts(base):
     assert values["llamacpp:prompt_tokens_total"] == \
         values["pgroups_prompt_tokens_total"] - values["pgroups_prompt_tokens_cached_total"]
     assert values["llamacpp:n_decode_total"] > 0 and "llamacpp:requests_processing" in values
+
+
+def test_a_reasoning_models_thinking_is_reasoning_content(base):
+    """The synthetic model's output is forced by a grammar into DeepSeek's shape."""
+    body = {"messages": [{"role": "user", "content": "think first"}], "reasoning_format": "deepseek", "max_tokens": 60,
+            "grammar": 'root ::= "<think>" [a-z]{2,8} "</think>" [a-z]{2,8}'}
+    msg = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+    assert msg["reasoning_content"] and msg["content"] and "<think>" not in msg["content"] + msg["reasoning_content"]
+    with httpx.stream("POST", base + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        deltas = [e["choices"][0]["delta"] for e in sse(r) if e.get("choices")]
+    thinking = "".join(d.get("reasoning_content") or "" for d in deltas)
+    content = "".join(d.get("content") or "" for d in deltas)
+    assert thinking.isalpha() and content.isalpha(), deltas
+    whole = httpx.post(base + "/v1/chat/completions", json={**body, "reasoning_format": "none"}, timeout=60).json()
+    assert whole["choices"][0]["message"]["content"].startswith("<think>")

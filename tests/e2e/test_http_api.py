@@ -214,8 +214,9 @@ def test_llama_server_sampler_fields_over_http(base):
     a = httpx.post(base + "/v1/completions", json=body, timeout=60)
     b = httpx.post(base + "/v1/completions", json=body, timeout=60)
     assert a.status_code == 200 and a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
-    bad = httpx.post(base + "/v1/completions", json={**body, "samplers": ["nope"]}, timeout=60)
-    assert bad.status_code == 400 and "unknown samplers" in bad.json()["error"]["message"]
+    # a sampler name llama-server does not know is skipped, as llama-server skips it
+    assert httpx.post(base + "/v1/completions", json={**body, "samplers": ["nope", "temperature"]},
+                      timeout=60).status_code == 200
     assert httpx.post(base + "/v1/completions", json={**body, "typical_p": 3}, timeout=60).status_code == 400
 
 

@@ -81,7 +81,6 @@ def test_openai_agents_sdk_with_both_of_its_models(base):
         set_tracing_disabled,
     )
     from openai import AsyncOpenAI
-
     from pydantic import BaseModel, Field
 
     class City(BaseModel):  # a bounded output: random weights end it only because its grammar does
