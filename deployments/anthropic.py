@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr, model_validator
 
-from deployments.protocol import ApiModel, ChatCompletionRequest
+from deployments.protocol import ApiModel, ChatCompletionRequest, ToolSettings
 from engine.tools import ToolCallStream, limit_calls, parse_tool_calls
 from engine.types import Output
 
@@ -152,12 +152,12 @@ def _chat_messages(i: int, m: dict[str, Any]) -> list[dict[str, Any]]:
 class MessagesShaper:
     """One ``/v1/messages`` answer: the message object, or its stream of typed events."""
 
-    def __init__(self, rid: str, model: str, tools: dict | None) -> None:
+    def __init__(self, rid: str, model: str, tools: ToolSettings | None) -> None:
         self.id = "msg_" + rid.split("-", 1)[-1]
         self.model = model
         self.tools = tools
         self.parts: list[str] = []
-        self._calls = ToolCallStream(tools["names"], tools["parallel"]) if tools else None
+        self._calls = ToolCallStream(list(tools.names), tools.parallel) if tools else None
         self._text_open = False
         self._index = 0
 
@@ -186,8 +186,8 @@ class MessagesShaper:
         text = "".join(self.parts)
         calls: list[dict[str, Any]] = []
         if self.tools:
-            text, calls = parse_tool_calls(text, self.tools["names"])
-            calls = limit_calls(calls, self.tools["parallel"])
+            text, calls = parse_tool_calls(text, list(self.tools.names))
+            calls = limit_calls(calls, self.tools.parallel)
         content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
         content += [_tool_use(c) for c in calls]
         reason, seq = self._stop(final, bool(calls))

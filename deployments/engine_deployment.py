@@ -28,10 +28,12 @@ from deployments.protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
     InfillRequest,
+    Submitted,
     TokenizeRequest,
+    ToolSettings,
     piece_json,
 )
-from deployments.router import STATS_PERIOD_S
+from deployments.router import STATS_PERIOD_S, Route
 from engine import (
     Engine,
     EngineConfig,
@@ -180,7 +182,7 @@ class EngineDeployment:
         cut = list(self._owner.items())
         for rid, conn in cut:
             conn.requests.discard(rid)
-            conn.queue.put_nowait([tuple(Output(rid, "", 0, FinishReason.ERROR, error=reason, status=503))])
+            conn.queue.put_nowait([Output(rid, "", 0, FinishReason.ERROR, error=reason, status=503)])
         self._owner.clear()
         for conn in self._conns.values():
             conn.queue.put_nowait(_CLOSE)
@@ -192,7 +194,7 @@ class EngineDeployment:
         self.loop.call_soon_threadsafe(self._deliver, outs)
 
     def _deliver(self, outs: list[Output]) -> None:
-        per_conn: dict[_Conn, list[tuple]] = defaultdict(list)
+        per_conn: dict[_Conn, list[Output]] = defaultdict(list)
         for o in outs:
             conn = self._owner.get(o.request_id)
             if o.finish_reason is not None:
@@ -201,14 +203,14 @@ class EngineDeployment:
                     conn.requests.discard(o.request_id)
             self.metrics.observe(o)
             if conn is not None:
-                per_conn[conn].append(tuple(o))
+                per_conn[conn].append(o)
         for conn, items in per_conn.items():
             conn.queue.put_nowait(items)
 
     async def outputs(self, ingress_id: str, conn_id: str, replica: str | None = None):
         """One ingress replica's output stream: first ``{"connected": replica}`` (or
         ``{"refused": why}`` from a replica that is stopping or is not the one asked for, and
-        the end), then lists of outputs (as tuples) of the requests it submitted on this
+        the end), then lists of the ``Output``s of the requests it submitted on this
         connection. When the stream ends, only this connection's requests are cancelled."""
         if replica is not None and replica != self._replica:
             yield {"refused": f"replica {replica} is gone"}  # the router's fallback for a dead target
@@ -249,7 +251,7 @@ class EngineDeployment:
     # ---- requests ---------------------------------------------------------------------------
 
     async def submit(self, conns: dict[str, str] | str, request_id: str, req: ApiRequest,
-                     route: dict | None = None) -> dict | ApiError:
+                     route: Route | None = None) -> Submitted | ApiError:
         """Tokenise and queue one request the ingress has validated; returns its prompt size
         (and what the ingress needs to shape its answer) or an error. The chat template and
         the tokenizer run off the event loop that delivers every stream's tokens."""
@@ -282,8 +284,7 @@ class EngineDeployment:
                 self.metrics.rejected()
                 return ApiError(429, str(e))
             return ApiError(503, str(e))
-        return {"prompt_tokens": len(r.prompt_tokens), "n_predict": r.n_predict, "replica": self._replica,
-                "conn": conn_id, "n_ctx": self.engine.n_ctx_slot, **extra}
+        return Submitted(len(r.prompt_tokens), r.n_predict, self._replica, conn_id, self.engine.n_ctx_slot, **extra)
 
     def _prepare(self, request_id: str, req: ApiRequest) -> tuple[Request, dict[str, Any]]:
         """The engine request, and for the ingress: the echoed prompt, the tool-call parser's
@@ -292,7 +293,7 @@ class EngineDeployment:
         if isinstance(req, ChatCompletionRequest):
             prompt, params, plan = chat_prompt(self.engine.tokenizer, req, self._default_max_tokens())
             if plan.active:
-                extra["tools"] = {"names": plan.names, "parallel": plan.parallel}
+                extra["tools"] = ToolSettings(tuple(plan.names), plan.parallel)
             thinking = ReasoningPlan.make(req.reasoning_format, self.engine.tokenizer.template.source or "", prompt)
             if thinking is not None:
                 extra["reasoning"] = thinking

@@ -27,19 +27,26 @@ from pydantic import ValidationError
 from ray import serve
 from starlette.background import BackgroundTask
 
-from deployments.anthropic import CountTokensRequest, MessagesRequest, MessagesShaper
-from deployments.anthropic import error_body as anthropic_error
+from deployments.anthropic import CountTokensRequest, MessagesShaper
+from deployments.endpoints import (
+    CHAT,
+    COMPLETION,
+    ENDPOINTS,
+    INFILL,
+    LLAMA,
+    MESSAGES,
+    RESPONSES,
+    Endpoint,
+    openai_error,
+)
 from deployments.protocol import (
     ApiError,
     ApplyTemplateRequest,
-    ChatCompletionRequest,
-    CompletionRequest,
     DetokenizeRequest,
-    InfillRequest,
-    LlamaCompletionRequest,
-    ResponsesRequest,
+    Submitted,
     TokenizeRequest,
     completion_probabilities,
+    engine_request,
     error_body,
     error_type,
     llama_final,
@@ -48,7 +55,7 @@ from deployments.protocol import (
     timings,
     validate_body,
 )
-from deployments.router import known_replicas, prefix_hashes, routing_text
+from deployments.router import Route, known_replicas, prefix_hashes, routing_text
 from deployments.shaping import (
     Choice,
     ResponsesShaper,
@@ -68,18 +75,8 @@ app = FastAPI(title="pipeline-groups OpenAI-compatible API", version="0.1.0",
               docs_url=None, redoc_url=None, openapi_url=None)
 
 _REF = "#/components/schemas/{model}"
-_BODY_MODELS = {
-    "CompletionRequest": CompletionRequest,
-    "ChatCompletionRequest": ChatCompletionRequest,
-    "TokenizeRequest": TokenizeRequest,
-    "DetokenizeRequest": DetokenizeRequest,
-    "ApplyTemplateRequest": ApplyTemplateRequest,
-    "LlamaCompletionRequest": LlamaCompletionRequest,
-    "InfillRequest": InfillRequest,
-    "ResponsesRequest": ResponsesRequest,
-    "MessagesRequest": MessagesRequest,
-    "CountTokensRequest": CountTokensRequest,
-}
+_BODY_MODELS = {m.__name__: m for m in (*(e.request for e in ENDPOINTS), TokenizeRequest, DetokenizeRequest,
+                                         ApplyTemplateRequest, CountTokensRequest)}
 
 
 def _body(name: str) -> dict:
@@ -174,21 +171,16 @@ def _error_of(o: Output) -> JSONResponse:
 _BACKGROUND: set[asyncio.Task] = set()  # strong references until done
 
 
-def _engine_request(req: Any) -> Any:
-    """The request the engine runs: Responses and Messages requests are served as chat."""
-    return req.to_chat() if isinstance(req, ResponsesRequest | MessagesRequest) else req
-
-
-def _anthropic_errors(resp: Response) -> Response:
-    """An error answer in OpenAI's shape, in Anthropic's instead."""
-    if resp.status_code < 400 or not isinstance(resp, JSONResponse):
+def _reshaped(resp: Response, ep: Endpoint) -> Response:
+    """An error answer that a shaper made in OpenAI's shape, in the endpoint's own instead."""
+    if resp.status_code < 400 or not isinstance(resp, JSONResponse) or ep.error is openai_error:
         return resp
     try:
         message = json.loads(resp.body)["error"]["message"]
     except (ValueError, KeyError, TypeError):
         return resp
     headers = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
-    return JSONResponse(anthropic_error(resp.status_code, message), status_code=resp.status_code, headers=headers)
+    return JSONResponse(ep.error(resp.status_code, message), status_code=resp.status_code, headers=headers)
 
 
 def _detached(coro: Coroutine) -> asyncio.Task:
@@ -305,10 +297,10 @@ class Ingress:
                         self._connected.set()
                         backoff = 0.2
                         continue
-                    for t in batch:
-                        p = self._pending.get(t[0])
+                    for o in batch:  # Outputs, as the engine made them
+                        p = self._pending.get(o.request_id)
                         if p is not None:
-                            p.queue.put_nowait(Output(*t))
+                            p.queue.put_nowait(o)
             except asyncio.CancelledError:
                 if asyncio.current_task().cancelling():  # the ingress is stopping
                     raise
@@ -401,12 +393,9 @@ class Ingress:
         if self.strict and name and name not in self.model_names:
             raise HTTPError(404, f"the model {name!r} does not exist; this server serves {self.model_names[0]!r}", "model")
 
-    def _validate(self, kind: str, body: dict) -> ChatCompletionRequest | CompletionRequest | ResponsesRequest:
-        model_cls = {"chat": ChatCompletionRequest, "llama": LlamaCompletionRequest, "infill": InfillRequest,
-                     "responses": ResponsesRequest, "messages": MessagesRequest,
-                     "count_tokens": CountTokensRequest}.get(kind, CompletionRequest)
+    def _validate(self, model_cls: type, body: dict) -> Any:
         req, unknown = validate_body(model_cls, body, self.strict)
-        _engine_request(req).sampling(1)
+        engine_request(req).sampling(1)
         for name in unknown:
             if name not in self.ignored_fields:
                 log.warning("ignoring the unknown request field %r (logged once; set strict_request_fields to "
@@ -425,27 +414,39 @@ class Ingress:
             lines.append(f'pgroups_ignored_request_fields_total{{field="{label}"}} {n}'.encode())
         return b"\n".join(lines) + b"\n"
 
-    async def _submit(self, request: Request, kind: str) -> Response:
-        """``kind``: "chat", "completion", "responses" (OpenAI's) or "llama" (llama-server's
-        /completion)."""
+    async def _parse(self, request: Request, model_cls: type) -> tuple[Any, bytes]:
+        """The request's body as ``model_cls``, checked (auth, size, JSON, fields); raises ``HTTPError``."""
         self._check_auth(request)
         raw = await self._read_body(request)
         body = await self._json(request, raw)
         try:
-            req = await _sized(len(raw), self._validate, kind, body)
+            req = await _sized(len(raw), self._validate, model_cls, body)
         except ValidationError as e:
             raise HTTPError(400, _validation_message(e)) from None
         except ValueError as e:
             raise HTTPError(400, str(e)) from None
-        self._check_model(req.model)
-        api_req, req = req, _engine_request(req)  # what the engine runs
+        return req, raw
+
+    async def _submit(self, request: Request, ep: Endpoint) -> Response:
+        """One generating request of endpoint ``ep``: read, submit, answer in its shape; every
+        error in the endpoint's error shape (the one place that maps them)."""
+        try:
+            resp = await self._run(request, ep)
+        except HTTPError as e:
+            return JSONResponse(ep.error(e.status, e.message, e.param), status_code=e.status, headers=e.headers)
+        return _reshaped(resp, ep)
+
+    async def _run(self, request: Request, ep: Endpoint) -> Response:
+        api_req, raw = await self._parse(request, ep.request)
+        self._check_model(api_req.model)
+        req = engine_request(api_req)  # what the engine runs
         conns = await self._connection()
-        rid = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg-"}.get(kind, "cmpl-") + uuid.uuid4().hex
+        rid = ep.id_prefix + uuid.uuid4().hex
         p = _Pending(rid, req.n)
         ids = member_ids(rid, req.n)
         for m in ids:
             self._pending[m] = p
-        route = {"replicas": list(conns), "prefix": await _sized(len(raw), prefix_hashes, routing_text(req))}
+        route = Route(tuple(conns), tuple(await _sized(len(raw), prefix_hashes, routing_text(req))))
         try:
             res = await self.engine.submit.remote(conns, rid, req, route=route)
         except BaseException:
@@ -458,43 +459,49 @@ class Ingress:
         if isinstance(res, ApiError):
             for m in ids:
                 self._pending.pop(m, None)
-            headers = {"Retry-After": "1"} if res.status in (429, 503) else None
-            return err_response(res.status, res.message, headers=headers)
-        p.conn, p.replica = res["conn"], res["replica"]
+            raise HTTPError(res.status, res.message, headers={"Retry-After": "1"} if res.status in (429, 503) else None)
+        p.conn, p.replica = res.conn, res.replica
         if p.conn not in self._streams.values():  # its stream ended while it was submitted
             self._fail_stream(p.conn)
-        p.echo = res.get("echo")  # completions' echo: the prompt's text comes first
+        p.echo = res.echo  # completions' echo: the prompt's text comes first
         try:
-            resp = await self._answer(kind, rid, p, api_req, req, res)
+            resp = await getattr(self, ep.answer)(ep, rid, p, api_req, req, res)
         except BaseException:  # nobody will read its outputs: the engine stops generating them
             await self._release(rid)
             raise
         resp.headers["x-engine-replica"] = p.replica  # which engine replica (pair) served it
         return resp
 
-    async def _answer(self, kind: str, rid: str, p: _Pending, api_req: Any, req: Any, res: dict) -> Response:
-        """The answer, in the shape of the route, streamed or whole."""
+    # ---- the answers, by endpoint (endpoints.py names them) ----------------------------------
+
+    async def _openai_answer(self, ep: Endpoint, rid: str, p: _Pending, api_req: Any, req: Any,
+                             res: Submitted) -> Response:
         model = self.model_names[0]
-        if kind in ("llama", "infill"):
-            want_tokens = bool(getattr(req, "return_tokens", False))
-            if req.stream:
-                return self._stream(rid, self._llama_sse(rid, p.queue, model, want_tokens, res.get("n_ctx", 0)))
-            return await self._llama_collect(rid, p.queue, model, want_tokens, req.n, res.get("n_ctx", 0))
-        if kind == "messages":
-            ms = MessagesShaper(rid, model, res.get("tools"))
-            if req.stream:
-                return self._stream(rid, self._messages_sse(rid, p.queue, ms, res["prompt_tokens"]))
-            return await self._messages_collect(rid, p.queue, ms)
-        if kind == "responses":
-            shaper = ResponsesShaper(rid, model, api_req)
-            if req.stream:
-                return self._stream(rid, self._responses_sse(rid, p.queue, shaper))
-            return await self._responses_collect(rid, p.queue, shaper)
-        tools = res.get("tools")  # the tool-call parser's settings, when the request has tools
-        choices = [Choice(i, kind, req.n_logprobs() is not None, tools, res.get("reasoning")) for i in range(req.n)]
+        choices = [Choice(i, ep.kind, req.n_logprobs() is not None, res.tools, res.reasoning) for i in range(req.n)]
         if req.stream:
-            return self._stream(rid, self._sse(rid, p.queue, kind, model, req.include_usage, choices))
-        return await self._collect(rid, p.queue, kind, model, choices)
+            return self._stream(rid, self._sse(rid, p.queue, ep.kind, model, req.include_usage, choices))
+        return await self._collect(rid, p.queue, ep.kind, model, choices)
+
+    async def _llama_answer(self, ep: Endpoint, rid: str, p: _Pending, api_req: Any, req: Any,
+                            res: Submitted) -> Response:
+        model, want_tokens = self.model_names[0], bool(getattr(req, "return_tokens", False))
+        if req.stream:
+            return self._stream(rid, self._llama_sse(rid, p.queue, model, want_tokens, res.n_ctx))
+        return await self._llama_collect(rid, p.queue, model, want_tokens, req.n, res.n_ctx)
+
+    async def _messages_answer(self, ep: Endpoint, rid: str, p: _Pending, api_req: Any, req: Any,
+                               res: Submitted) -> Response:
+        ms = MessagesShaper(rid, self.model_names[0], res.tools)
+        if req.stream:
+            return self._stream(rid, self._messages_sse(rid, p.queue, ms, res.prompt_tokens))
+        return await self._messages_collect(rid, p.queue, ms)
+
+    async def _responses_answer(self, ep: Endpoint, rid: str, p: _Pending, api_req: Any, req: Any,
+                                res: Submitted) -> Response:
+        shaper = ResponsesShaper(rid, self.model_names[0], api_req)
+        if req.stream:
+            return self._stream(rid, self._responses_sse(rid, p.queue, shaper))
+        return await self._responses_collect(rid, p.queue, shaper)
 
     def _stream(self, rid: str, events: AsyncIterator[bytes]) -> StreamingResponse:
         return _event_stream(self._guarded(rid, events), BackgroundTask(self._release, rid))
@@ -705,51 +712,40 @@ class Ingress:
     @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"))
     @app.post("/completions", include_in_schema=False)
     async def completions(self, request: Request) -> Response:
-        return await self._submit(request, "completion")
+        return await self._submit(request, COMPLETION)
 
     @app.post("/completion", openapi_extra=_body("LlamaCompletionRequest"))
     async def llama_completion(self, request: Request) -> Response:
-        return await self._submit(request, "llama")
+        return await self._submit(request, LLAMA)
 
     @app.post("/infill", openapi_extra=_body("InfillRequest"))
     async def infill(self, request: Request) -> Response:
-        return await self._submit(request, "infill")
+        return await self._submit(request, INFILL)
 
     @app.post("/v1/messages", openapi_extra=_body("MessagesRequest"))
     async def messages(self, request: Request) -> Response:
         """Anthropic's Messages API; its errors in Anthropic's shape."""
-        try:
-            return _anthropic_errors(await self._submit(request, "messages"))
-        except HTTPError as e:
-            return JSONResponse(anthropic_error(e.status, e.message), status_code=e.status, headers=e.headers)
+        return await self._submit(request, MESSAGES)
 
     @app.post("/v1/messages/count_tokens", openapi_extra=_body("CountTokensRequest"))
     async def count_tokens(self, request: Request) -> Response:
         try:
-            self._check_auth(request)
-            raw = await self._read_body(request)
-            body = await self._json(request, raw)
-            try:
-                req = await _sized(len(raw), self._validate, "count_tokens", body)
-            except ValidationError as e:
-                raise HTTPError(400, _validation_message(e)) from None
-            except ValueError as e:
-                raise HTTPError(400, str(e)) from None
+            req, _ = await self._parse(request, CountTokensRequest)
             res = await self.engine.count_tokens.remote(req.to_chat())
         except HTTPError as e:
-            return JSONResponse(anthropic_error(e.status, e.message), status_code=e.status)
+            res = ApiError(e.status, e.message)
         if isinstance(res, ApiError):
-            return JSONResponse(anthropic_error(res.status, res.message), status_code=res.status)
+            return JSONResponse(MESSAGES.error(res.status, res.message), status_code=res.status)
         return JSONResponse(res)
 
     @app.post("/v1/responses", openapi_extra=_body("ResponsesRequest"))
     async def responses(self, request: Request) -> Response:
-        return await self._submit(request, "responses")
+        return await self._submit(request, RESPONSES)
 
     @app.post("/v1/chat/completions", openapi_extra=_body("ChatCompletionRequest"))
     @app.post("/chat/completions", include_in_schema=False)
     async def chat_completions(self, request: Request) -> Response:
-        return await self._submit(request, "chat")
+        return await self._submit(request, CHAT)
 
     # ---- llama-server's utility endpoints ----------------------------------------------------
 

@@ -57,6 +57,30 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+@dataclass(frozen=True)
+class ToolSettings:
+    """How the ingress reads a tools request's answer: the offered functions' names, and
+    whether several calls are allowed."""
+
+    names: tuple[str, ...]
+    parallel: bool
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """What an engine replica tells the ingress of a request it took (the value that crosses
+    Ray back from ``submit``)."""
+
+    prompt_tokens: int
+    n_predict: int
+    replica: str
+    conn: str  # the output stream the request's outputs come by
+    n_ctx: int  # tokens per slot
+    echo: str | None = None  # completions' echo: the prompt's text
+    tools: ToolSettings | None = None
+    reasoning: Any = None  # engine.reasoning.ReasoningPlan: how a chat answer's thinking is split
+
+
 class ApiModel(BaseModel):
     """A request body read as llama-server and vLLM read theirs: a field it does not know is
     set aside (its name goes to the validation context's ``unknown`` list, for the ingress to
@@ -76,6 +100,12 @@ class ApiModel(BaseModel):
             info.context["unknown"].extend(f"{cls.__name__}.{k}" if info.context.get("qualified") else k
                                            for k in unknown)
         return {k: v for k, v in data.items() if v is not None and k in known}
+
+
+def engine_request(req: Any) -> Any:
+    """The request the engine runs: the Responses and Messages APIs' are served as chat."""
+    to_chat = getattr(req, "to_chat", None)
+    return to_chat() if to_chat is not None else req
 
 
 def validate_body(model_cls: type[BaseModel], body: dict[str, Any], strict: bool = False) -> tuple[Any, list[str]]:

@@ -4,7 +4,7 @@ Every call to the engine deployment goes through it, in the ingress's process:
 
 - a call that names a replica (``replica=<id>``: an output stream, a cancel, a slot
   action) goes to that replica; when it is gone, to any (which refuses it);
-- a submit (``route={"replicas", "prefix"}``) goes to the replica, among those the ingress
+- a submit (``route=Route(replicas, prefix)``) goes to the replica, among those the ingress
   holds an output stream to, that last took the longest prefix of this prompt, unless it is
   busier than the least busy by more than ``imbalance`` requests; else to the less busy of
   two (the power of two choices). Busy is the replica's running and waiting requests from
@@ -26,9 +26,20 @@ import logging
 import random
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+
+@dataclass(frozen=True)
+class Route:
+    """What a submit tells the router: the replicas its ingress holds a stream to, and the
+    prompt's chained prefix hashes (``prefix_hashes``)."""
+
+    replicas: tuple[str, ...]
+    prefix: tuple[str, ...]
+
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +118,12 @@ class PairRouter(FIFOMixin, RequestRouter):
         route = kw.get("route")
         if not route:
             return [candidate_replicas]
-        allowed = [r for r in candidate_replicas if r.replica_id.unique_id in route["replicas"]] or candidate_replicas
+        allowed = [r for r in candidate_replicas if r.replica_id.unique_id in route.replicas] or candidate_replicas
         busy = {r.replica_id.unique_id: self._busy(r) for r in allowed}
         least = min(busy.values())
         chosen = None
         by_id = {r.replica_id.unique_id: r for r in allowed}
-        for h in reversed(route["prefix"]):  # the longest prefix first
+        for h in reversed(route.prefix):  # the longest prefix first
             rid = self._table.get(h)
             if rid in by_id and busy[rid] - least <= self.imbalance:
                 chosen = by_id[rid]
@@ -122,7 +133,7 @@ class PairRouter(FIFOMixin, RequestRouter):
             chosen = min(two, key=lambda r: busy[r.replica_id.unique_id])
         cid = chosen.replica_id.unique_id
         self._sent.setdefault(cid, collections.deque()).append(time.monotonic())
-        for h in route["prefix"]:
+        for h in route.prefix:
             self._table[h] = cid
             self._table.move_to_end(h)
         while len(self._table) > TABLE_SIZE:

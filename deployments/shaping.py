@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from deployments.protocol import LogprobsShaper, now, timings, usage
+from deployments.protocol import LogprobsShaper, ToolSettings, now, timings, usage
 from engine.reasoning import ReasoningPlan, ReasoningSplitter, split_reasoning
 from engine.tools import ToolCallStream, limit_calls, parse_tool_calls, tool_finish
 from engine.types import Output
@@ -86,7 +86,7 @@ class SseEvents:
 class Choice:
     """One choice of a request: what has arrived for it, and its streamed form."""
 
-    def __init__(self, index: int, kind: str, want_logprobs: bool, tools: dict | None,
+    def __init__(self, index: int, kind: str, want_logprobs: bool, tools: ToolSettings | None,
                  reasoning: ReasoningPlan | None = None) -> None:
         self.index = index
         self.reasoning = reasoning if kind == "chat" else None
@@ -98,7 +98,7 @@ class Choice:
         self.want_logprobs = want_logprobs
         self.tools = tools
         self._shaper = LogprobsShaper(kind) if want_logprobs else None
-        self._calls = ToolCallStream(tools["names"], tools["parallel"]) if tools is not None else None
+        self._calls = ToolCallStream(list(tools.names), tools.parallel) if tools is not None else None
 
     @property
     def finished(self) -> bool:
@@ -124,8 +124,8 @@ class Choice:
             thinking, text = split_reasoning(self.reasoning, text)
             message = {"role": "assistant", "content": text, **({"reasoning_content": thinking} if thinking else {})}
         if self.tools is not None:
-            content, calls = parse_tool_calls(text, self.tools["names"])
-            calls = limit_calls(calls, self.tools["parallel"])
+            content, calls = parse_tool_calls(text, list(self.tools.names))
+            calls = limit_calls(calls, self.tools.parallel)
             if calls:
                 message = {**message, "content": content or None, "tool_calls": calls}
                 finish = tool_finish(finish)

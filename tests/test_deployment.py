@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from deployments.engine_deployment import NOT_CONNECTED, EngineDeployment
-from deployments.protocol import CompletionRequest
+from deployments.protocol import CompletionRequest, Submitted
 from engine.types import SHUTTING_DOWN, Output
 
 LONG = {"prompt": "a long request", "max_tokens": 100_000, "ignore_eos": True}
@@ -56,7 +56,7 @@ def test_a_second_stream_of_one_ingress_neither_takes_nor_drops_the_firsts_reque
     async def body(d: Any) -> None:
         a = await connect(d, "ingress-1", "conn-a")
         res = await d.submit("conn-a", "r1", CompletionRequest(**LONG))
-        assert isinstance(res, dict), res
+        assert isinstance(res, Submitted), res
         b = await connect(d, "ingress-1", "conn-b")  # the same ingress opens a second stream
         outs = await next_outputs(a)
         assert outs and all(o.request_id == "r1" for o in outs)
@@ -106,7 +106,7 @@ def test_tokenising_runs_off_the_event_loop(model_path):
         info = await asyncio.wait_for(d.info(), 5)  # the loop is free meanwhile
         assert info["model"] and not release.is_set() and not submit.done()
         release.set()
-        assert isinstance(await submit, dict)
+        assert isinstance(await submit, Submitted)
         await stream.aclose()
 
     run(model_path, body)
@@ -115,7 +115,7 @@ def test_tokenising_runs_off_the_event_loop(model_path):
 def test_the_watchdog_fails_in_flight_requests_and_reports_unhealthy(model_path):
     async def body(d: Any) -> None:
         s = await connect(d, "ingress-1", "c")
-        assert isinstance(await d.submit("c", "r1", CompletionRequest(**LONG)), dict)
+        assert isinstance(await d.submit("c", "r1", CompletionRequest(**LONG)), Submitted)
         await next_outputs(s)
         d.engine.stalled_for = lambda: 10.0  # a decode blocked for 10 s on the peer
         deadline = time.monotonic() + 10
@@ -144,8 +144,8 @@ def test_the_watchdog_fails_in_flight_requests_and_reports_unhealthy(model_path)
 def test_drain_finishes_short_requests_and_cuts_long_ones_with_an_error(model_path):
     async def body(d: Any) -> None:
         s = await connect(d, "ingress-1", "c")
-        assert isinstance(await d.submit("c", "long", CompletionRequest(**LONG)), dict)
-        assert isinstance(await d.submit("c", "short", CompletionRequest(**SHORT)), dict)
+        assert isinstance(await d.submit("c", "long", CompletionRequest(**LONG)), Submitted)
+        assert isinstance(await d.submit("c", "short", CompletionRequest(**SHORT)), Submitted)
         res = await d.drain(1.0)
         assert res["cut"] == 1
         finals: dict[str, Output] = {}

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from deployments.protocol import InfillRequest
+from deployments.protocol import InfillRequest, Submitted
 from engine import Engine, EngineConfig, RequestError
 from engine.infill import FimTokens, infill_tokens
 from engine.synthetic_model import ModelShape, write_model
@@ -69,7 +69,7 @@ def test_infill_through_the_engine_deployment(fim_model):
                                             "n_predict": 6, "samplers": "edkypmxt", "cache_prompt": True,
                                             "t_max_prompt_ms": 500, "t_max_predict_ms": 1000, "ignore_eos": True})
         res = await d.submit("c", "fim-1", req)
-        assert isinstance(res, dict) and res["prompt_tokens"] > 10, res
+        assert isinstance(res, Submitted) and res.prompt_tokens > 10, res
         final: Output | None = None
         while final is None:
             final = next((o for o in await next_outputs(s) if o.finish_reason is not None), None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from deployments.router import PairRouter, prefix_hashes
+from deployments.router import PairRouter, Route, prefix_hashes
 
 
 def replica(rid: str, running: int = 0) -> SimpleNamespace:
@@ -28,23 +28,23 @@ def test_a_prompt_goes_where_its_longest_prefix_went_unless_that_pair_is_much_bu
     r = router(imbalance=2)
     a, b = replica("a"), replica("b")
     long_a = "system prompt A " * 40
-    route = {"replicas": ["a", "b"], "prefix": prefix_hashes(long_a + "first")}
+    route = Route(tuple(["a", "b"]), tuple(prefix_hashes(long_a + "first")))
     first = choose(r, [a, b], route=route)
     other = "b" if first == "a" else "a"
     for i in range(6):  # the sends count as load until the stats catch up: raise the threshold
         r._sent.clear()  # noqa: SLF001 - the replicas' stats have caught up
-        assert choose(r, [a, b], route={"replicas": ["a", "b"], "prefix": prefix_hashes(f"{long_a}q{i}")}) == first
+        assert choose(r, [a, b], route=Route(tuple(["a", "b"]), tuple(prefix_hashes(f"{long_a}q{i}")))) == first
     # the pair holding the prefix is busier than the other by more than the threshold
     busy = {first: replica(first, running=5), other: replica(other, running=0)}
     r._sent.clear()  # noqa: SLF001
-    assert choose(r, [busy["a"], busy["b"]], route={"replicas": ["a", "b"], "prefix": prefix_hashes(long_a + "x")}) == other
+    assert choose(r, [busy["a"], busy["b"]], route=Route(tuple(["a", "b"]), tuple(prefix_hashes(long_a + "x")))) == other
 
 
 def test_only_replicas_the_ingress_holds_a_stream_to_and_named_targets():
     r = router()
     a, b = replica("a"), replica("b")
     for _ in range(10):
-        assert choose(r, [a, b], route={"replicas": ["b"], "prefix": prefix_hashes("hello")}) == "b"
+        assert choose(r, [a, b], route=Route(tuple(["b"]), tuple(prefix_hashes("hello")))) == "b"
     assert choose(r, [a, b], replica="a") == "a"
     # a target that is gone: any replica (which refuses the call)
     assert choose(r, [a, b], replica="zz") in ("a", "b")
@@ -53,7 +53,7 @@ def test_only_replicas_the_ingress_holds_a_stream_to_and_named_targets():
 def test_without_a_prefix_the_less_busy_of_two():
     r = router()
     a, b = replica("a", running=3), replica("b", running=0)
-    assert [choose(r, [a, b], route={"replicas": ["a", "b"], "prefix": prefix_hashes(f"p{i}")}) for i in range(3)] \
+    assert [choose(r, [a, b], route=Route(tuple(["a", "b"]), tuple(prefix_hashes(f"p{i}")))) for i in range(3)] \
         == ["b", "b", "b"]
 
 
