@@ -27,6 +27,8 @@ from deployments.protocol import (
     ApplyTemplateRequest,
     ChatCompletionRequest,
     DetokenizeRequest,
+    Embedded,
+    EmbeddingRequest,
     InfillRequest,
     Submitted,
     TokenizeRequest,
@@ -315,6 +317,20 @@ class EngineDeployment:
         return r, extra
 
     # ---- llama-server's utility endpoints (off the event loop: inputs can be large) -----------
+
+    async def embed(self, req: EmbeddingRequest) -> Embedded | ApiError:
+        """Embeddings of the request's inputs (off the event loop; one context, its own thread)."""
+        if self.engine.embedder is None:
+            return ApiError(501, "this server does not serve embeddings: set embeddings: true in its config "
+                            "(llama-server's --embeddings)")
+        n_embd = self.engine.embedder.n_embd
+        if req.dimensions is not None and req.dimensions != n_embd:
+            return ApiError(400, f"dimensions must be the model's own, {n_embd} (vectors are not cut)")
+        try:
+            vectors, n = await asyncio.to_thread(self.engine.embed, req.inputs())
+        except RequestError as e:
+            return ApiError(400, str(e))
+        return Embedded(vectors, n)
 
     async def count_tokens(self, req: ChatCompletionRequest) -> dict | ApiError:
         """Anthropic's count_tokens: the prompt tokens the chat request would have."""

@@ -10,6 +10,7 @@ A client that goes away cancels its request in the engine.
 
 
 import asyncio
+import base64
 import contextvars
 import hmac
 import json
@@ -43,6 +44,7 @@ from deployments.protocol import (
     ApiError,
     ApplyTemplateRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     Submitted,
     TokenizeRequest,
     completion_probabilities,
@@ -76,7 +78,7 @@ app = FastAPI(title="pipeline-groups OpenAI-compatible API", version="0.1.0",
 
 _REF = "#/components/schemas/{model}"
 _BODY_MODELS = {m.__name__: m for m in (*(e.request for e in ENDPOINTS), TokenizeRequest, DetokenizeRequest,
-                                         ApplyTemplateRequest, CountTokensRequest)}
+                                         ApplyTemplateRequest, CountTokensRequest, EmbeddingRequest)}
 
 
 def _body(name: str) -> dict:
@@ -395,7 +397,9 @@ class Ingress:
 
     def _validate(self, model_cls: type, body: dict) -> Any:
         req, unknown = validate_body(model_cls, body, self.strict)
-        engine_request(req).sampling(1)
+        sampling = getattr(engine_request(req), "sampling", None)
+        if sampling is not None:  # a generating request: its sampling fields hold together
+            sampling(1)
         for name in unknown:
             if name not in self.ignored_fields:
                 log.warning("ignoring the unknown request field %r (logged once; set strict_request_fields to "
@@ -726,6 +730,35 @@ class Ingress:
     async def messages(self, request: Request) -> Response:
         """Anthropic's Messages API; its errors in Anthropic's shape."""
         return await self._submit(request, MESSAGES)
+
+    @app.post("/v1/embeddings", openapi_extra=_body("EmbeddingRequest"))
+    @app.post("/embeddings", include_in_schema=False)
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI's embeddings: a normalised vector per input, as floats or base64 (float32)."""
+        req, res = await self._embed(request)
+        if isinstance(res, ApiError):
+            return err_response(res.status, res.message)
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if req.encoding_format == "base64"
+                 else v.tolist()} for i, v in enumerate(res.vectors)]
+        return JSONResponse({"object": "list", "data": data, "model": self.model_names[0],
+                             "usage": {"prompt_tokens": res.n_tokens, "total_tokens": res.n_tokens}})
+
+    @app.post("/embedding", include_in_schema=False)
+    async def llama_embedding(self, request: Request) -> Response:
+        """llama-server's: ``[{"index", "embedding": [vector]}]``."""
+        _, res = await self._embed(request)
+        if isinstance(res, ApiError):
+            return err_response(res.status, res.message)
+        return JSONResponse([{"index": i, "embedding": [v.tolist()]} for i, v in enumerate(res.vectors)])
+
+    async def _embed(self, request: Request) -> tuple[Any, Any]:
+        req, _ = await self._parse(request, EmbeddingRequest)
+        self._check_model(req.model)
+        try:
+            return req, await self.engine.embed.remote(req)
+        except Exception as e:  # the engine replica is restarting
+            return req, ApiError(503, f"the engine is not available: {type(e).__name__}")
 
     @app.post("/v1/messages/count_tokens", openapi_extra=_body("CountTokensRequest"))
     async def count_tokens(self, request: Request) -> Response:

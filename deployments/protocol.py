@@ -516,6 +516,7 @@ ERROR_TYPES = {  # OpenAI's error type of each status we answer with
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
+    501: "not_supported_error",
     503: "server_error",
     504: "timeout_error",
 }
@@ -594,6 +595,42 @@ def completion_probabilities(o: Any) -> list[dict[str, Any]]:
         e = {"id": o.tokens[i]} if i < len(o.tokens) else {}
         out.append({**e, **entry(piece, lp), "top_logprobs": [entry(p, v) for p, v in top]})
     return out
+
+
+class EmbeddingRequest(ApiModel):
+    """``POST /v1/embeddings`` (OpenAI's); llama-server's ``/embedding`` names the input ``content``."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    content: str | list[str] | list[int] | list[list[int]] | None = Field(default=None, description="llama-server's input.")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1, description="Must be the model's own (vectors are not cut).")
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> EmbeddingRequest:
+        if (self.input is None) == (self.content is None):
+            raise ValueError("give the text to embed as input (or llama-server's content)")
+        items = self.inputs()
+        if not items or len(items) > 2048:
+            raise ValueError("input holds 1 to 2048 texts or token lists")
+        if sum(len(x) for x in items) > MAX_PROMPT_CHARS:
+            raise ValueError(f"input longer than {MAX_PROMPT_CHARS} characters")
+        return self
+
+    def inputs(self) -> list[str | list[int]]:
+        x = self.input if self.input is not None else self.content
+        if isinstance(x, str) or (isinstance(x, list) and x and isinstance(x[0], int)):
+            return [x]  # one text, or one list of token ids
+        return list(x or [])
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """What the engine replica returns for an embedding request."""
+
+    vectors: list  # numpy float32 arrays, one per input
+    n_tokens: int
 
 
 class InfillChunk(ApiModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -127,6 +128,15 @@ class EngineConfig(BaseModel):
         "connection can race on the per-device last-graph id (LLAMA_GRAPH_REUSE_DISABLE).",
     )
     seed: int = Field(default=-1, description="Default sampling seed; -1 draws one per request.")
+    embeddings: bool = Field(
+        default=False,
+        description="Serve /v1/embeddings and /embedding from one more context of the model, made to "
+        "pool [--embeddings].",
+    )
+    pooling: Literal["mean", "cls", "last"] | None = Field(
+        default=None, description="How an embedding pools its tokens [--pooling]; None: the GGUF's, or mean "
+        "where it names none (a causal model).",
+    )
     grammar_budget_s: float = Field(
         default=5.0, gt=0, le=600,
         description="Longest a request's grammar or JSON schema may take to compile (on a compile "

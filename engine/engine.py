@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.embeddings import Embedder
 from engine.grammar import GrammarCompiler
 from engine.group import CancelMsg, PipelineGroup, SlotBusyError, SlotOpMsg, StartMsg
 from engine.native import Model, add_rpc_server, local_device_name
@@ -114,6 +115,8 @@ class Engine:
                         draft_model=self.draft_model,
                     )
                 )
+            self.embedder = (Embedder(self.model, config.n_ubatch, config.local_threads(), config.pooling,
+                                      config.flash_attn) if config.embeddings else None)
         except BaseException:
             for grp in self.groups:
                 grp.close()
@@ -202,6 +205,14 @@ class Engine:
         update = {k: cap for k in ("repeat_last_n", "dry_penalty_last_n")
                   if getattr(params, k) < 0 or getattr(params, k) > cap}
         return params.model_copy(update=update) if update else params
+
+    def embed(self, inputs: list[str | list[int]]) -> tuple[list, int]:
+        """One normalised vector per input (text, or token ids), and the tokens they took;
+        raises ``RequestError`` when embeddings are off or an input cannot be taken."""
+        if self.embedder is None:
+            raise RequestError("this server does not serve embeddings: set embeddings: true in its config")
+        tokens = [self.tokenize_prompt(x) for x in inputs]
+        return self.embedder.embed(tokens), sum(len(t) for t in tokens)
 
     def submit(self, r: Request) -> None:
         """Queue a request; raises ``QueueFullError`` when the wait queue is full."""
@@ -348,6 +359,8 @@ class Engine:
             return
         for g in self.groups:
             g.close()
+        if self.embedder is not None:
+            self.embedder.close()
         self.grammars.close()
         if self.draft_model is not None:
             self.draft_model.close()

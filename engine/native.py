@@ -335,9 +335,16 @@ class Context:
         swa_full: bool = False,
         flash_attn: bool | None = None,
         cb_eval: object | None = None,
+        embeddings: bool = False,
+        pooling: int | None = None,
     ) -> None:
+        """``embeddings``: a context that pools each sequence's outputs into one vector
+        (``pooling``: a ``LLAMA_POOLING_TYPE_*``; None: the GGUF's)."""
         self.model = model
         p = llama_cpp.llama_context_default_params()
+        if embeddings:
+            p.embeddings = True
+            p.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED if pooling is None else pooling
         p.n_ctx = n_ctx
         p.n_batch = n_batch
         p.n_ubatch = min(n_ubatch, n_batch)
@@ -362,6 +369,20 @@ class Context:
         # share, so that the slots together can never overflow the cache
         self.n_ctx_seq = self.n_ctx // n_seq_max if kv_unified else llama_cpp.llama_n_ctx_seq(self.ptr)
         self.memory = llama_cpp.llama_get_memory(self.ptr)
+
+    @property
+    def pooling(self) -> int:
+        return int(llama_cpp.llama_pooling_type(self.ptr))
+
+    def seq_embedding(self, seq_id: int, n_embd: int) -> np.ndarray:
+        """The pooled embedding of a sequence after the last decode (a copy)."""
+        ptr = llama_cpp.llama_get_embeddings_seq(self.ptr, seq_id)
+        if not ptr:
+            raise NativeError(f"no pooled embedding for sequence {seq_id}")
+        return np.ctypeslib.as_array(ptr, shape=(n_embd,)).copy()
+
+    def clear(self) -> None:
+        llama_cpp.llama_memory_clear(self.memory, True)
 
     def decode(self, batch: Batch) -> None:
         rc = llama_cpp.llama_decode(self.ptr, batch.struct)

@@ -21,11 +21,11 @@ FIXTURES = {k: v for k, v in json.loads((Path(__file__).parents[1] / "fixtures" 
 
 @pytest.fixture(scope="module")
 def base(deploy) -> str:
-    """The API app on a synthetic model that carries FIM tokens (for /infill)."""
+    """The API app on a synthetic model that carries FIM tokens (for /infill), with embeddings."""
     path = Path(__file__).parents[2] / "models" / "synthetic-fim.gguf"
     if not path.exists():
         write_model(path, ModelShape(fim=True))
-    return deploy({**APP, "model": str(path)})
+    return deploy({**APP, "model": str(path), "embeddings": True})
 
 
 def sse(r: httpx.Response) -> list[dict]:
@@ -139,3 +139,18 @@ def test_a_reasoning_models_thinking_is_reasoning_content(base):
     assert thinking.isalpha() and content.isalpha(), deltas
     whole = httpx.post(base + "/v1/chat/completions", json={**body, "reasoning_format": "none"}, timeout=60).json()
     assert whole["choices"][0]["message"]["content"].startswith("<think>")
+
+
+def test_embeddings_through_the_openai_sdk_and_llama_servers_route(base):
+    import numpy as np
+    from openai import OpenAI
+
+    c = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    r = c.embeddings.create(model="text-embedding-3-small", input=["hello world", "another text"])  # base64 by default
+    vecs = [np.asarray(d.embedding) for d in r.data]
+    assert len(vecs) == 2 and all(abs(np.linalg.norm(v) - 1) < 1e-3 for v in vecs) and r.usage.prompt_tokens > 2
+    floats = c.embeddings.create(model="x", input="hello world", encoding_format="float").data[0].embedding
+    assert np.allclose(floats, vecs[0], atol=1e-5)
+    native = httpx.post(base + "/embedding", json={"content": "hello world"}, timeout=60).json()
+    assert np.allclose(native[0]["embedding"][0], vecs[0], atol=1e-5)
+    assert httpx.post(base + "/v1/embeddings", json={"input": "x", "dimensions": 3}, timeout=60).status_code == 400

@@ -132,3 +132,10 @@ def test_pydantic_ai_structured_output(base):
     out = agent.run_sync("Name a city.").output
     assert isinstance(out, City)
     json.dumps(out.model_dump())
+
+
+def test_embeddings_off_is_a_501_that_says_what_to_set(base):
+    import httpx
+
+    r = httpx.post(base + "/v1/embeddings", json={"input": "x"}, timeout=60)
+    assert r.status_code == 501 and "embeddings: true" in r.json()["error"]["message"]
