@@ -54,6 +54,8 @@ from deployments.protocol import (
     llama_final,
     now,
     parse_body,
+    pick_fields,
+    prompt_progress,
     timings,
     validate_body,
 )
@@ -489,9 +491,10 @@ class Ingress:
     async def _llama_answer(self, ep: Endpoint, rid: str, p: _Pending, api_req: Any, req: Any,
                             res: Submitted) -> Response:
         model, want_tokens = self.model_names[0], bool(getattr(req, "return_tokens", False))
+        fields, post = req.response_fields, bool(req.post_sampling_probs)
         if req.stream:
-            return self._stream(rid, self._llama_sse(rid, p.queue, model, want_tokens, res.n_ctx))
-        return await self._llama_collect(rid, p.queue, model, want_tokens, req.n, res.n_ctx)
+            return self._stream(rid, self._llama_sse(rid, p.queue, model, want_tokens, res.n_ctx, fields, post))
+        return await self._llama_collect(rid, p.queue, model, want_tokens, req.n, res.n_ctx, fields, post)
 
     async def _messages_answer(self, ep: Endpoint, rid: str, p: _Pending, api_req: Any, req: Any,
                                res: Submitted) -> Response:
@@ -592,7 +595,7 @@ class Ingress:
         if kind == "chat":
             yield b"".join(ev.chunk(None, None, first=True, index=c.index) for c in choices)
         async for batch in self._outputs(rid, q):
-            out = b""
+            out = b"".join(ev.progress(o) for o in batch if o.progress is not None)
             for i, outs in by_choice(batch).items():
                 out += choices[i].events(ev, outs)
                 last = outs[-1]
@@ -662,7 +665,7 @@ class Ingress:
                 yield out
 
     async def _llama_collect(self, rid: str, q: asyncio.Queue, model: str, want_tokens: bool, n: int = 1,
-                             n_ctx: int = 0) -> Response:
+                             n_ctx: int = 0, fields: list[str] | None = None, post: bool = False) -> Response:
         """llama-server's answer: one object, or with ``n_cmpl`` > 1 a list, one per choice."""
         parts: list[list[str]] = [[] for _ in range(n)]
         tokens: list[list[int]] = [[] for _ in range(n)]
@@ -673,7 +676,7 @@ class Ingress:
                 for o in outs:
                     parts[i].append(o.text)
                     tokens[i].extend(o.tokens)
-                    probs[i].extend(completion_probabilities(o))
+                    probs[i].extend(completion_probabilities(o, post))
                 lasts[i] = outs[-1]
         bodies = []
         for i, last in enumerate(lasts):
@@ -684,10 +687,11 @@ class Ingress:
             body = llama_final(last, "".join(parts[i]), model, tokens[i] if want_tokens else None, n_ctx)
             if probs[i]:
                 body["completion_probabilities"] = probs[i]
-            bodies.append(body)
+            bodies.append(pick_fields(body, fields))
         return JSONResponse(bodies if n > 1 else bodies[0])
 
-    async def _llama_sse(self, rid: str, q: asyncio.Queue, model: str, want_tokens: bool, n_ctx: int = 0):
+    async def _llama_sse(self, rid: str, q: asyncio.Queue, model: str, want_tokens: bool, n_ctx: int = 0,
+                         fields: list[str] | None = None, post: bool = False):
         """llama-server's /completion stream: ``{"content", "stop": false}`` events, then the
         final object with ``stop: true`` (no ``[DONE]``, as llama-server)."""
         async for batch in self._outputs(rid, q):
@@ -697,14 +701,17 @@ class Ingress:
             if last.finish_reason is not None and last.finish_reason.failed:
                 yield _error_event(last)
                 return
-            probs = [p for o in batch for p in completion_probabilities(o)]
+            probs = [p for o in batch for p in completion_probabilities(o, post)]
             if last.finish_reason is not None:
                 event = llama_final(last, text, model, toks if want_tokens else None, n_ctx)
                 if probs:
                     event["completion_probabilities"] = probs
-                yield b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
+                yield b"data: " + json.dumps(pick_fields(event, fields), ensure_ascii=False).encode() + b"\n\n"
                 return
             event = {"content": text, "stop": False}
+            progress = [o for o in batch if o.progress is not None]
+            if progress:
+                event["prompt_progress"] = prompt_progress(progress[-1])
             if want_tokens:
                 event["tokens"] = toks
             if probs:

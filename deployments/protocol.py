@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -195,7 +196,8 @@ class _Common(ApiModel):
     timings_per_token: bool | None = Field(default=None, description="llama-server's; the timings come with the last "
                                            "chunk of a stream and with every answer.")
     # accepted as llama-server's clients send them, with nothing to change here
-    return_progress: bool | None = Field(default=None, description="llama-server's prompt progress (accepted; not sent).")
+    return_progress: bool | None = Field(default=None, description="llama-server's: stream prompt_progress "
+                                         "{total, cache, processed, time_ms} after each chunk of the prompt.")
     reasoning_format: Literal["none", "auto", "deepseek", "deepseek-legacy"] | None = Field(
         default=None, description="llama-server's: auto (the default) or deepseek put a reasoning model's thinking in "
         "reasoning_content; none leaves the text whole.")
@@ -204,9 +206,10 @@ class _Common(ApiModel):
         "reasoning budget; -1 or more: unrestricted (a positive budget is not enforced).")
     n_keep: int | None = Field(default=None, ge=-1, description="llama-server's context-shift keep (accepted; a "
                                "prompt longer than the slot is refused, never shifted).")
-    response_fields: list[str] | None = Field(default=None, description="llama-server's (accepted; the whole answer is sent).")
-    post_sampling_probs: bool | None = Field(default=None, description="llama-server's (accepted; probabilities are "
-                                             "the model's, before sampling).")
+    response_fields: list[str] | None = Field(default=None, max_length=64, description="llama-server's: only these "
+                                              "fields of /completion's and /infill's answer ('a/b' takes b out of a).")
+    post_sampling_probs: bool | None = Field(default=None, description="llama-server's: with n_probs, the "
+                                             "probabilities after the sampler chain (prob, top_probs).")
     # accepted and ignored, as OpenAI's API defines them for what this server does not keep
     user: str | None = None
     store: bool | None = None
@@ -279,6 +282,10 @@ class _Common(ApiModel):
             d["typical_p"] = self.typ_p
         if self.t_max_predict_ms:
             d["t_max_predict_ms"] = self.t_max_predict_ms
+        if self.return_progress and self.stream:
+            d["return_progress"] = True
+        if self.post_sampling_probs:
+            d["post_sampling_probs"] = True
         if self.logit_bias:
             bias: dict[int, float] = {}
             for k, v in self.logit_bias.items():
@@ -581,19 +588,22 @@ class LlamaCompletionRequest(CompletionRequest):
         return self
 
 
-def completion_probabilities(o: Any) -> list[dict[str, Any]]:
+def completion_probabilities(o: Any, post: bool = False) -> list[dict[str, Any]]:
     """llama-server's ``completion_probabilities`` of one output's tokens (``n_probs``): each
-    token's id, text, bytes and log probability, and its most likely alternatives."""
+    token's id, text, bytes and log probability, and its most likely alternatives; ``post``
+    (``post_sampling_probs``): probabilities (``prob``, ``top_probs``) after the sampler chain."""
     if not o.logprobs:
         return []
+    key, top_key = ("prob", "top_probs") if post else ("logprob", "top_logprobs")
 
     def entry(piece: bytes, logprob: float) -> dict[str, Any]:
-        return {"token": piece.decode("utf-8", "replace"), "bytes": list(piece), "logprob": logprob}
+        v = math.exp(logprob) if post else logprob
+        return {"token": piece.decode("utf-8", "replace"), "bytes": list(piece), key: v}
 
     out = []
     for i, (piece, lp, top) in enumerate(o.logprobs):
         e = {"id": o.tokens[i]} if i < len(o.tokens) else {}
-        out.append({**e, **entry(piece, lp), "top_logprobs": [entry(p, v) for p, v in top]})
+        out.append({**e, **entry(piece, lp), top_key: [entry(p, v) for p, v in top]})
     return out
 
 
@@ -662,6 +672,29 @@ class InfillRequest(LlamaCompletionRequest):
 
     def extra(self) -> list[tuple[str, str]]:
         return [(c.filename, c.text) for c in self.input_extra]
+
+
+def pick_fields(body: dict[str, Any], fields: list[str] | None) -> dict[str, Any]:
+    """llama-server's ``response_fields``: only the named fields; ``a/b`` is ``body[a][b]`` at the
+    top as ``b``; a field that is not there is left out."""
+    if not fields:
+        return body
+    out: dict[str, Any] = {}
+    for f in fields:
+        node: Any = body
+        for part in f.split("/"):
+            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+        if node is not _MISSING:
+            out[f.rsplit("/", 1)[-1]] = node
+    return out
+
+
+_MISSING = object()
+
+
+def prompt_progress(o: Any) -> dict[str, int]:
+    processed, total, cached, ms = o.progress
+    return {"total": total, "cache": cached, "processed": processed, "time_ms": ms}
 
 
 def timings(o: Any) -> dict[str, Any]:

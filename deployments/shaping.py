@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from deployments.protocol import LogprobsShaper, ToolSettings, now, timings, usage
+from deployments.protocol import LogprobsShaper, ToolSettings, now, prompt_progress, timings, usage
 from engine.reasoning import ReasoningPlan, ReasoningSplitter, split_reasoning
 from engine.tools import ToolCallStream, limit_calls, parse_tool_calls, tool_finish
 from engine.types import Output
@@ -77,6 +77,11 @@ class SseEvents:
         if final is not None:
             body["timings"] = timings(final)
         return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+    def progress(self, o: Output) -> bytes:
+        """llama-server's prompt progress chunk (``return_progress``): no choices."""
+        body = {**self.head, "choices": [], "prompt_progress": prompt_progress(o)}
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
 
     def usage(self, finals: list[Output]) -> bytes:
         body = {**self.head, "choices": [], "usage": total_usage(finals)}

@@ -367,11 +367,14 @@ class PipelineGroup:
         logits = self.ctx.logits(n_logits, self.n_vocab) if rows and not backend else None
         t3 = time.perf_counter()
         prof.add("sync", t3 - t2)
+        progress = []
         for e in entries:  # the KV now holds the entries' tokens
             s = e.slot
             s.cache_tokens.extend(e.tokens)
             if s.state is SlotState.PROMPT:
                 s.n_prompt_done += len(e.tokens)
+                if s.req.params.return_progress:
+                    progress.append(self._progress(s))
         self._fork(rows)
         if not rows:
             tokens = []
@@ -389,7 +392,7 @@ class PipelineGroup:
                 accepted += n_acc
         if drafted:
             prof.add_spec(drafted, accepted)
-        outs = [o for r, toks in zip(rows, tokens, strict=True) if (o := self._process(r.slot, toks)) is not None]
+        outs = progress + [o for r, toks in zip(rows, tokens, strict=True) if (o := self._process(r.slot, toks)) is not None]
         t5 = time.perf_counter()
         if outs:
             self.sink(outs)
@@ -508,7 +511,8 @@ class PipelineGroup:
             return -1
         k = s.req.params.logprobs
         if k is not None:  # only the rows that ask pay for it
-            lp, top = token_logprobs(row, tok, k)
+            post = s.sampler.post
+            lp, top = post if post is not None else token_logprobs(row, tok, k)
             piece = self.tok.piece
             self._row_logprobs.setdefault(s.id, []).append(
                 (piece(tok, special=False), lp, tuple((piece(t, special=False), v) for t, v in top)))
@@ -573,6 +577,14 @@ class PipelineGroup:
             if s.n_generated >= r.n_predict or self._past_time_limit(s, piece):
                 return done(FinishReason.LENGTH, s.text.flush(), len(emitted), logprobs=tuple(lps) or None)
         return Output(r.id, "".join(texts), len(emitted), logprobs=tuple(lps) or None, tokens=tuple(emitted))
+
+    @staticmethod
+    def _progress(s: Slot) -> Output:
+        """llama-server's prompt progress of a slot, after a prompt chunk: (processed, total,
+        cached, milliseconds since the slot started)."""
+        r = s.req
+        ms = int((time.monotonic() - s.t_start) * 1000)
+        return Output(r.id, "", 0, progress=(s.n_prompt_done, len(r.prompt_tokens), s.n_reused, ms))
 
     @staticmethod
     def _past_time_limit(s: Slot, piece: bytes) -> bool:

@@ -80,6 +80,10 @@ class SamplingParams(BaseModel):
         default=None, ge=0, le=20,
         description="Report each generated token's log probability and this many most likely alternatives.",
     )
+    post_sampling_probs: bool = Field(default=False, description="With logprobs: the probabilities of the "
+                                      "distribution the sampler chain drew from (llama-server's), not the model's.")
+    return_progress: bool = Field(default=False, description="Send the prompt's progress after each of its "
+                                  "chunks (llama-server's prompt_progress).")
     t_max_predict_ms: int = Field(
         default=0, ge=0, description="End the output (length) once the generation has run this long, counted "
         "from the first token, and holds a newline (llama-server's); 0: no limit.")
@@ -246,6 +250,7 @@ class SamplerChain:
         self.seed = seed
         self.ptr = None
         self.grammar = grammar
+        self.post: tuple[float, list[tuple[int, float]]] | None = None  # post_sampling_probs of the last pick
         if self.greedy:
             return
         sp = llama_cpp.llama_sampler_chain_default_params()
@@ -327,7 +332,10 @@ class SamplerChain:
             if len(self.banned):
                 row = row.copy()
                 row[self.banned] = -np.inf
-            return int(np.argmax(row))
+            tok = int(np.argmax(row))
+            if self.params.post_sampling_probs and self.params.logprobs is not None:
+                self.post = (0.0, [(tok, 0.0)][: self.params.logprobs])
+            return tok
         cand = thread_candidates(self.n_vocab)
         tok = self._pick(cand, cand.fill(row))
         g = self.grammar
@@ -356,7 +364,23 @@ class SamplerChain:
         s = cand.struct
         if s.selected < 0 or s.selected >= s.size:
             raise RuntimeError("sampler chain selected no token")
+        if self.params.post_sampling_probs and self.params.logprobs is not None:
+            self.post = self._post_sampling(cand, int(s.data[s.selected].id))
         return int(s.data[s.selected].id)
+
+    def _post_sampling(self, cand: Candidates, tok: int) -> tuple[float, list[tuple[int, float]]]:
+        """llama-server's post_sampling_probs: the chosen token's log probability and the most
+        likely ones, in the distribution the chain sampled from (what its samplers kept); a
+        greedy pick is certain."""
+        kept = cand.arr[: cand.struct.size]
+        p = kept["p"].astype(np.float64)
+        total = float(p.sum())
+        if total <= 0:  # greedy: no distribution was computed
+            return 0.0, [(tok, 0.0)][: self.params.logprobs]
+        order = np.argsort(-p)[: self.params.logprobs]
+        chosen = p[kept["id"] == tok]
+        lp = float(np.log(chosen[0] / total)) if len(chosen) and chosen[0] > 0 else float("-inf")
+        return lp, [(int(kept["id"][i]), float(np.log(p[i] / total)) if p[i] > 0 else float("-inf")) for i in order]
 
     def accept_prompt(self, tokens: list[int]) -> None:
         """Penalties count the prompt's tokens too, as llama-server's sampler does."""

@@ -72,3 +72,5 @@ class Output(NamedTuple):
     tokens: tuple[int, ...] = ()  # the token ids generated in this step (not the end-of-generation token)
     stop_word: str | None = None  # with finish_reason "stop": the stop string that ended it
     slot: int = -1  # on the final output: the slot that ran the request
+    # return_progress: after a prompt chunk, (processed, total, cached, ms since the slot started)
+    progress: tuple[int, int, int, int] | None = None

@@ -145,3 +145,30 @@ def test_max_tokens_0_evaluates_and_caches_the_prompt_only(make_engine):
     assert warm.final.finish_reason == "length" and warm.final.completion_tokens == 0 and warm.text == ""
     again = e.generate(prompt + " and more", SamplingParams(temperature=0, max_tokens=2))
     assert again.final.cached_tokens >= warm.final.prompt_tokens - 1
+
+
+def test_return_progress_reports_each_prompt_chunk(make_engine):
+    e = make_engine(n_parallel=1, n_batch=16, n_ubatch=16)
+    prompt = "tell me a story about a model split over two nodes " * 5
+    outs = list(e.stream(prompt, SamplingParams(temperature=0, max_tokens=2, return_progress=True)))
+    progress = [o.progress for o in outs if o.progress is not None]
+    total = len(e.tokenize_prompt(prompt))
+    assert len(progress) == -(-total // 16)  # one per chunk of the batch
+    assert [p[0] for p in progress] == sorted(p[0] for p in progress) and progress[-1][0] == total
+    assert all(p[1] == total for p in progress)
+    assert outs[-1].finish_reason == "length"
+
+
+def test_post_sampling_probs_are_the_chains_distribution(make_engine):
+    import math
+
+    e = make_engine(n_parallel=1)
+    params = SamplingParams(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0, seed=3, max_tokens=4, ignore_eos=True, logprobs=5,
+                            post_sampling_probs=True)
+    c = e.generate("hello", params)
+    for _piece, lp, top in c.final.logprobs or ():
+        assert len(top) == 3 and abs(sum(math.exp(v) for _, v in top) - 1) < 1e-4  # top-k kept 3
+        assert any(abs(v - lp) < 1e-6 for _, v in top)  # the chosen token is among them
+    greedy = e.generate("hello", params.model_copy(update={"temperature": 0.0}))
+    assert all(lp == 0.0 and top == ((top[0][0], 0.0),) for _, lp, top in greedy.final.logprobs or ())
+    assert greedy.final.logprobs  # a greedy pick is certain

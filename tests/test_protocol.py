@@ -91,3 +91,12 @@ def test_completion_probabilities_are_llama_servers():
                                      {"token": "b", "bytes": [98], "logprob": -2.0}]}
     assert p[1]["id"] == 9 and p[1]["bytes"] == [0xC3] and p[1]["top_logprobs"] == []
     assert completion_probabilities(_final()) == []
+
+
+def test_response_fields_pick_and_unnest():
+    from deployments.protocol import pick_fields
+
+    body = {"content": "x", "stop": True, "timings": {"prompt_n": 3}, "generation_settings": {"n_ctx": 512}}
+    assert pick_fields(body, ["content", "timings/prompt_n", "generation_settings/n_ctx", "missing", "content/x"]) == \
+        {"content": "x", "prompt_n": 3, "n_ctx": 512}
+    assert pick_fields(body, None) is body

@@ -54,6 +54,9 @@ def test_a_clients_own_body_is_served(base, name):
     else:
         assert "timings" in last and last["timings"]["predicted_n"] >= 1, last  # the web UI's statistics bar
         assert last["choices"][0]["finish_reason"] in ("stop", "length"), last
+        if body.get("return_progress"):  # the web UI's prompt progress
+            progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
+            assert progress and progress[-1]["processed"] == progress[-1]["total"] > 0, events[:3]
 
 
 def test_fields_sent_as_null_mean_their_default(base):
@@ -154,3 +157,13 @@ def test_embeddings_through_the_openai_sdk_and_llama_servers_route(base):
     native = httpx.post(base + "/embedding", json={"content": "hello world"}, timeout=60).json()
     assert np.allclose(native[0]["embedding"][0], vecs[0], atol=1e-5)
     assert httpx.post(base + "/v1/embeddings", json={"input": "x", "dimensions": 3}, timeout=60).status_code == 400
+
+
+def test_post_sampling_probs_and_response_fields(base):
+    body = {"prompt": "hello", "n_predict": 3, "n_probs": 2, "ignore_eos": True, "post_sampling_probs": True,
+            "temperature": 1.0, "top_k": 2, "top_p": 1.0, "min_p": 0.0, "seed": 1}
+    probs = httpx.post(base + "/completion", json=body, timeout=60).json()["completion_probabilities"]
+    assert all(0 < p["prob"] <= 1 and 1 <= len(p["top_probs"]) <= 2 and "logprob" not in p for p in probs), probs
+    picked = httpx.post(base + "/completion", json={**body, "response_fields": ["content", "timings/prompt_n"]},
+                        timeout=60).json()
+    assert set(picked) == {"content", "prompt_n"}, picked
