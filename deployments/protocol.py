@@ -128,9 +128,9 @@ def _sampling(name: str) -> Any:
     return Field(default=None, description=f.description, **bounds)
 
 
-# llama-server's one-letter sampler names (its `samplers` string; 'i', infill, is not a chain sampler here)
+# llama-server's one-letter sampler names (its `samplers` string)
 SAMPLER_LETTERS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p",
-                   "m": "min_p", "x": "xtc", "t": "temperature"}
+                   "m": "min_p", "x": "xtc", "t": "temperature", "i": "infill"}
 
 SAMPLING_KEYS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repeat_penalty",
@@ -220,7 +220,7 @@ class _Common(ApiModel):
     @classmethod
     def _sampler_letters(cls, v: object) -> object:
         """llama-server's letter string (``"edkypmxt"``) or names; letters and names it does not
-        know are skipped, as llama-server skips them (``infill``, llama.vscode's, among them)."""
+        know are skipped, as llama-server skips them."""
         if isinstance(v, str):
             return [SAMPLER_LETTERS[c] for c in v if c in SAMPLER_LETTERS]
         if isinstance(v, list):

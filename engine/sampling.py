@@ -28,7 +28,8 @@ assert TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
 SAMPLER_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 MAX_STOP_CHARS = 256  # a stop string or DRY sequence breaker
 
-SAMPLER_NAMES = {**{s: s for s in SAMPLER_ORDER}, "typical_p": "typ_p", "temp": "temperature", "nucleus": "top_p"}
+SAMPLER_NAMES = {**{s: s for s in SAMPLER_ORDER}, "typical_p": "typ_p", "temp": "temperature", "nucleus": "top_p",
+                 "infill": "infill"}  # infill: llama.cpp's fill-in-the-middle sampler, only where asked
 
 
 class SamplingParams(BaseModel):
@@ -285,6 +286,10 @@ class SamplerChain:
                     n_vocab, last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty))
             elif name == "dry" and p.dry:
                 add(chain, self._dry(p))
+            elif name == "infill":  # merges candidates that share a prefix; an end of the middle ends it
+                if self.vocab is None:
+                    raise ValueError("the infill sampler needs the model's vocabulary")
+                add(chain, llama_cpp.llama_sampler_init_infill(self.vocab))
             elif greedy or p.mirostat:
                 continue  # greedy and mirostat take the whole distribution after the penalties
             elif name == "top_n_sigma" and p.top_n_sigma > 0.0:

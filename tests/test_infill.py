@@ -76,3 +76,12 @@ def test_infill_through_the_engine_deployment(fim_model):
         assert final.finish_reason == "length" and final.completion_tokens == 6
 
     run(fim_model, body)
+
+
+def test_the_infill_sampler_runs_where_asked(fim_engine):
+    from engine import SamplingParams
+
+    tok = fim_engine.tokenizer
+    prompt = infill_tokens(tok, "def f(x):\n    return", "\n", "", [], 64, fim_engine.n_ctx_slot, 8)
+    c = fim_engine.generate(prompt, SamplingParams(temperature=0.8, seed=2, max_tokens=8, samplers=("top_k", "top_p", "infill")))
+    assert c.final.finish_reason in ("stop", "length") and c.final.completion_tokens >= 1

@@ -52,15 +52,41 @@ def test_greedy_output_identical_for_1_2_4_groups(make_engine, sample_threads):
 
 
 def test_seeded_sampling_identical_for_1_and_2_groups(make_engine):
+    """Each request samples with its own seeded chain, whatever group and pool thread runs it:
+    the tokens are the same for 1 and 2 groups. llama.cpp's CPU kernels round a row differently
+    in batches of another size (8 rows in one group, 4 in each of two), so a draw that lands on
+    a boundary of the distribution may flip: a request may differ only from a position where both
+    runs' distributions agree to rounding (measured by their log probabilities), and most requests
+    do not differ at all (a request sampled with another's generator would differ from its
+    first tokens, with the same distributions)."""
     def params(i: int) -> SamplingParams:
-        return SamplingParams(temperature=0.9, top_k=50, top_p=0.95, min_p=0.0, seed=1000 + i, max_tokens=24)
+        return SamplingParams(temperature=0.9, top_k=50, top_p=0.95, min_p=0.0, seed=1000 + i, max_tokens=24,
+                              logprobs=5)
+
+    def run(e) -> list[tuple[list[int], list]]:
+        def one(ip: tuple[int, str]) -> tuple[list[int], list]:
+            outs = list(e.stream(ip[1], params(ip[0])))
+            return [t for o in outs for t in o.tokens], [lp for o in outs for lp in o.logprobs or ()]
+
+        with ThreadPoolExecutor(len(PROMPTS)) as ex:
+            return list(ex.map(one, enumerate(PROMPTS)))
 
     res = {}
     for n in (1, 2):
         e = make_engine(n_parallel=8, n_ctx=4096, pipeline_groups=n, sample_threads=4)
-        res[n] = run_concurrently(e, params)
+        res[n] = run(e)
         e.close()
-    assert res[1] == res[2]
+    identical = 0
+    for (t1, lp1), (t2, lp2) in zip(res[1], res[2], strict=True):
+        d = next((i for i, (a, b) in enumerate(zip(t1, t2, strict=False)) if a != b), None)
+        if d is None:
+            assert t1 == t2
+            identical += 1
+            continue
+        for i in range(d + 1):  # the same distribution up to and at the flip
+            top1, top2 = dict(lp1[i][2]), dict(lp2[i][2])
+            assert set(top1) == set(top2) and all(abs(top1[k] - top2[k]) < 0.02 for k in top1), (i, top1, top2)
+    assert identical >= len(PROMPTS) - 2, identical
 
 
 def test_every_slot_of_every_group_serves_under_load(make_engine):

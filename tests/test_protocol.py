@@ -58,6 +58,8 @@ def test_llama_servers_sampler_letters_and_names():
     assert p.order == ("penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
     assert p.typical_p == 0.5
     assert CompletionRequest.model_validate({"prompt": "x", "samplers": "kq?t"}).sampling(8).order == ("top_k", "temperature")
+    vscode = CompletionRequest.model_validate({"prompt": "x", "samplers": ["top_k", "top_p", "infill", "nope"]})
+    assert vscode.sampling(8).order == ("top_k", "top_p", "infill")  # llama.vscode's; unknown names skipped
     assert CompletionRequest.model_validate({"prompt": "x", "samplers": ["top_k"]}).sampling(8).order == ("top_k",)
     p = CompletionRequest.model_validate({"prompt": "x", "t_max_predict_ms": 250}).sampling(8)
     assert p.t_max_predict_ms == 250
