@@ -19,7 +19,7 @@ from pydantic import (
 )
 
 from engine.grammar import JSON_OBJECT_SCHEMA, GrammarSpec, check_source
-from engine.sampling import SAMPLER_NAMES, SamplingParams
+from engine.params import SAMPLER_NAMES, SamplingParams
 from engine.tools import check_tools, chosen, template_message
 
 MAX_PROMPT_CHARS = 1_000_000

@@ -1,25 +1,34 @@
-"""The pipeline-group engine: N llama_contexts of one model, usable without Ray."""
+"""The pipeline-group engine: N llama_contexts of one model, usable without Ray.
 
-from engine.config import EngineConfig
-from engine.engine import Completion, Engine, OutputQueues
-from engine.group import SlotBusyError
-from engine.sampling import SamplingParams
-from engine.types import (
-    Output,
-    QueueFullError,
-    Request,
-    RequestError,
-)
+The names below load on first use: the records, the parameters and the errors import no
+native code, so an HTTP process that only reads requests never loads llama.cpp.
+"""
 
-__all__ = [
-    "Completion",
-    "Engine",
-    "EngineConfig",
-    "Output",
-    "OutputQueues",
-    "QueueFullError",
-    "Request",
-    "RequestError",
-    "SamplingParams",
-    "SlotBusyError",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {
+    "Completion": "engine.engine",
+    "Engine": "engine.engine",
+    "OutputQueues": "engine.engine",
+    "EngineConfig": "engine.config",
+    "SlotBusyError": "engine.group",
+    "SamplingParams": "engine.params",
+    "Output": "engine.types",
+    "Request": "engine.types",
+    "QueueFullError": "engine.errors",
+    "RequestError": "engine.errors",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value

@@ -111,13 +111,17 @@ class PipelineGroup:
         self.batch = Batch(n_batch)
         self.spec = config.speculative
         self.drafter: NgramDrafter | ModelDrafter | None = None
-        if self.spec is not None and self.spec.max_rows > 0:
-            if self.spec.type == "ngram":
-                self.drafter = NgramDrafter(self.spec)
-            else:
-                self.drafter = ModelDrafter(
-                    self.spec, draft_model, n_ctx=config.n_ctx_per_group, n_seq=len(slots), n_batch=n_batch,
-                    n_threads=self.spec.draft_threads or config.local_threads(), flash_attn=config.flash_attn)
+        try:
+            if self.spec is not None and self.spec.max_rows > 0:
+                if self.spec.type == "ngram":
+                    self.drafter = NgramDrafter(self.spec)
+                else:
+                    self.drafter = ModelDrafter(
+                        self.spec, draft_model, n_ctx=config.n_ctx_per_group, n_seq=len(slots), n_batch=n_batch,
+                        n_threads=self.spec.draft_threads or config.local_threads(), flash_attn=config.flash_attn)
+        except BaseException:  # this group is never handed out: its context goes with it
+            self.ctx.close()
+            raise
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         n_pool = config.sample_threads_per_group()
         self.n_sample_threads = n_pool

@@ -9,12 +9,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.sampling import SamplerChain
 from engine.text import TextStream
 from engine.types import Request
+
+if TYPE_CHECKING:
+    from engine.sampling import SamplerChain
 
 MAX_BACKOFF = 32  # steps a row waits at most before drafting again
 

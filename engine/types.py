@@ -8,7 +8,7 @@ from enum import StrEnum
 from typing import Any, NamedTuple
 
 from engine.errors import QueueFullError, RequestError  # noqa: F401 - their home is engine.errors
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 
 SHUTTING_DOWN = "the server is shutting down; retry the request"
 

@@ -172,3 +172,26 @@ def test_post_sampling_probs_are_the_chains_distribution(make_engine):
     greedy = e.generate("hello", params.model_copy(update={"temperature": 0.0}))
     assert all(lp == 0.0 and top == ((top[0][0], 0.0),) for _, lp, top in greedy.final.logprobs or ())
     assert greedy.final.logprobs  # a greedy pick is certain
+
+
+def test_a_draft_that_fails_to_load_leaves_no_context_behind(make_engine, monkeypatch, model_path):
+    """Contexts are freed before their model whatever fails while an engine is built."""
+    from engine import group as group_mod
+    from engine import native
+
+    made: list = []
+    real_init = native.Context.__init__
+
+    def recording_init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        made.append(self)
+
+    class BrokenDrafter:
+        def __init__(self, *a, **kw):
+            raise RuntimeError("the draft context could not be made")
+
+    monkeypatch.setattr(native.Context, "__init__", recording_init)
+    monkeypatch.setattr(group_mod, "ModelDrafter", BrokenDrafter)
+    with pytest.raises(RuntimeError, match="draft context"):
+        make_engine(n_parallel=2, pipeline_groups=2, speculative={"type": "draft", "model": model_path})
+    assert made and all(c.ptr is None for c in made)

@@ -223,3 +223,16 @@ def test_the_expositions_of_several_replicas_merge_into_one():
     assert sorted((s.labels["replica"], s.value) for s in fams["pg_tokens"].samples if s.name.endswith("_total")) == \
         [("a", 3.0), ("b", 5.0)]
     assert len(fams["pg_up"].samples) == 2
+
+
+def test_the_http_layer_never_loads_llama_cpp():
+    """The ingress and the app builder read requests and configs without native code (their
+    processes never map llama.cpp)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, deployments.ingress, deployments.app, engine.config, engine\n"
+            "engine.SamplingParams, engine.RequestError, engine.Output\n"
+            "assert 'llama_cpp' not in sys.modules, sorted(m for m in sys.modules if m.startswith('engine'))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
