@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "OutputQueues", "SlotBusyError", "Completion"]
 
+THREAD_STACK = 64 << 20
+
 
 def default_devices(config: EngineConfig, rpc_devices: list[str]) -> list[str] | None:
     """RPC devices first, the local device last, so the output layer and logits stay local."""
@@ -63,6 +65,11 @@ def layer_split(config: EngineConfig, devices: list[str] | None) -> list[float] 
 
 class Engine:
     def __init__(self, config: EngineConfig, sink: Callable[[list[Output]], None] | None = None):
+        # the threads this process starts from now (groups, their sampling pools, grammar
+        # compilation) get room for llguidance's recursion along a grammar's rule chains; the
+        # stacks are virtual memory, committed only as used
+        if threading.stack_size() < THREAD_STACK:
+            threading.stack_size(THREAD_STACK)
         self.config = config
         self.outputs = OutputQueues() if sink is None else None
         self.sink: Callable[[list[Output]], None] = sink or self.outputs.put  # type: ignore[union-attr]

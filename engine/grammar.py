@@ -47,6 +47,7 @@ JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
 MAX_GRAMMAR_BYTES = 256 * 1024
 MAX_NESTING = 64  # brackets of a grammar, or objects and arrays of a schema, inside each other
+MAX_RULES = 500  # rules of a grammar; $refs and definitions of a schema
 MAX_REPEAT = 10_000  # the largest count of a counted repetition ({m,n}) in a grammar or a pattern
 MAX_SCHEMA_COUNT = 100_000  # the largest minItems, maxLength... of a schema
 # JSON whitespace between tokens, as llama.cpp's converter allows it: one space, or a newline and
@@ -106,8 +107,16 @@ def check_source(spec: GrammarSpec) -> None:
     _check_grammar_text(spec.text)
 
 
+_LARK_RULE = re.compile(r"^\s*[?!]?[A-Za-z_][\w.]*\s*(\.\s*-?\d+\s*)?:(?!:)", re.M)
+
+
 def _check_grammar_text(text: str) -> None:
-    """Nesting of () [] {} outside string literals, and the counts of ``{m,n}`` repetitions."""
+    """Rules, nesting of () [] {} outside string literals, and the counts of ``{m,n}``
+    repetitions. llguidance recurses along chains of rules (a 3,000-rule chain overflows an
+    8 MiB stack and kills the process), and its GBNF converter is quadratic in rules."""
+    n_rules = max(text.count("::="), len(_LARK_RULE.findall(text)))
+    if n_rules > MAX_RULES:
+        raise RequestError(f"the grammar has more than {MAX_RULES} rules ({n_rules})")
     depth = most = 0
     i, n = 0, len(text)
     while i < n:
@@ -147,7 +156,7 @@ def _check_grammar_text(text: str) -> None:
 def check_schema(schema: Any, what: str = "json_schema") -> None:
     """Depth, size and counts of a JSON schema, walked without recursion."""
     stack: list[tuple[Any, int]] = [(schema, 1)]
-    seen = 0
+    seen = refs = 0
     while stack:
         node, depth = stack.pop()
         seen += 1
@@ -156,6 +165,11 @@ def check_schema(schema: Any, what: str = "json_schema") -> None:
         if seen > 100_000:
             raise RequestError(f"{what} is too large")
         if isinstance(node, dict):
+            # chains of definitions nest as deep as nesting does, for the compiler
+            refs += ("$ref" in node) + sum(len(node[k]) for k in ("$defs", "definitions")
+                                            if isinstance(node.get(k), dict))
+            if refs > MAX_RULES:
+                raise RequestError(f"{what} has more than {MAX_RULES} $refs and definitions")
             for k in _SCHEMA_COUNTS:
                 v = node.get(k)
                 if isinstance(v, int | float) and not isinstance(v, bool) and v > MAX_SCHEMA_COUNT:

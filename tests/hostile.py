@@ -23,6 +23,22 @@ def _branching(levels: int) -> str:
     return f"root ::= r0\n{rules}r{levels} ::= \"x\"\n"
 
 
+def _chain(n: int) -> str:
+    rules = "\n".join(f'r{i} ::= "x" r{i + 1} | "y"' for i in range(n))
+    return f'root ::= r0\n{rules}\nr{n} ::= "z"'
+
+
+def _lark_chain(n: int) -> str:
+    rules = "\n".join(f'r{i}: "x" r{i + 1} | "y"' for i in range(n))
+    return f'start: r0\n{rules}\nr{n}: "z"\n'
+
+
+def _ref_chain(n: int) -> dict[str, Any]:
+    defs: dict[str, Any] = {f"a{i}": {"anyOf": [{"$ref": f"#/$defs/a{i + 1}"}, {"type": "integer"}]} for i in range(n)}
+    defs[f"a{n}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/a0"}
+
+
 def _deep_schema(k: int) -> dict[str, Any]:
     s: dict[str, Any] = {"type": "integer"}
     for _ in range(k):
@@ -60,6 +76,11 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
      {"prompt": "x", "max_tokens": 4, "dry_multiplier": 0.8, "dry_penalty_last_n": 2147483647}),
     ("64 long DRY breakers", "completion",
      {"prompt": "x", "max_tokens": 4, "dry_multiplier": 0.8, "dry_sequence_breakers": ["ab" * 128] * 64}),
+    ("grammar: 5,000 chained rules", "completion", {"prompt": "x", "max_tokens": 4, "grammar": _chain(5000)}),
+    ("grammar: 400 chained rules", "completion", {"prompt": "x", "max_tokens": 4, "grammar": _chain(400)}),
+    ("lark: 3,000 chained rules", "completion", {"prompt": "x", "max_tokens": 4, "grammar": _lark_chain(3000)}),
+    ("json_schema: 2,000 chained $refs", "completion", {"prompt": "x", "max_tokens": 4, "json_schema": _ref_chain(2000)}),
+    ("json_schema: 400 chained $refs", "completion", {"prompt": "x", "max_tokens": 4, "json_schema": _ref_chain(400)}),
     ("json_schema nested 60 deep", "completion", {"prompt": "x", "max_tokens": 4, "json_schema": _deep_schema(60)}),
     ("json_schema nested 200 deep", "completion", {"prompt": "x", "max_tokens": 4, "json_schema": _deep_schema(200)}),
 ]

@@ -146,7 +146,10 @@ def test_the_refusals_say_what_to_change(bed):
                        ("json_schema: pattern a{0,100000}", "counted repetition"),
                        ("json_schema: maxItems 200,000,000", "maxItems"),
                        ("json_schema nested 200 deep", "nests deeper"),
-                       ("grammar: a token id outside the vocabulary", "does not parse")]:
+                       ("grammar: a token id outside the vocabulary", "does not parse"),
+                       ("grammar: 5,000 chained rules", "more than 500 rules"),
+                       ("lark: 3,000 chained rules", "more than 500 rules"),
+                       ("json_schema: 2,000 chained $refs", "$refs and definitions")]:
         status, detail = bed.answer(*cases[name])
         assert status == 400 and want in detail, (name, detail)
 
