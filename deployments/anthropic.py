@@ -15,7 +15,6 @@ from typing import Any
 from pydantic import Field, PrivateAttr, model_validator
 
 from deployments.protocol import ApiModel, ChatCompletionRequest, ToolSettings
-from engine.tools import ToolCallStream, limit_calls, parse_tool_calls
 from engine.types import Output
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
@@ -152,12 +151,13 @@ def _chat_messages(i: int, m: dict[str, Any]) -> list[dict[str, Any]]:
 class MessagesShaper:
     """One ``/v1/messages`` answer: the message object, or its stream of typed events."""
 
-    def __init__(self, rid: str, model: str, tools: ToolSettings | None) -> None:
+    def __init__(self, rid: str, model: str, tools: ToolSettings | None, prompt_tokens: int = 0) -> None:
         self.id = "msg_" + rid.split("-", 1)[-1]
         self.model = model
         self.tools = tools
         self.parts: list[str] = []
-        self._calls = ToolCallStream(list(tools.names), tools.parallel) if tools else None
+        self._calls = tools.stream() if tools else None
+        self.prompt_tokens = prompt_tokens
         self._text_open = False
         self._index = 0
 
@@ -182,12 +182,11 @@ class MessagesShaper:
     def add(self, outs: list[Output]) -> None:
         self.parts.extend(o.text for o in outs)
 
-    def message(self, final: Output) -> dict[str, Any]:
+    def final(self, final: Output) -> dict[str, Any]:
         text = "".join(self.parts)
         calls: list[dict[str, Any]] = []
         if self.tools:
-            text, calls = parse_tool_calls(text, list(self.tools.names))
-            calls = limit_calls(calls, self.tools.parallel)
+            text, calls = self.tools.read(text)
         content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
         content += [_tool_use(c) for c in calls]
         reason, seq = self._stop(final, bool(calls))
@@ -199,8 +198,8 @@ class MessagesShaper:
     def event(kind: str, **fields: Any) -> bytes:
         return f"event: {kind}\ndata: ".encode() + json.dumps({"type": kind, **fields}, ensure_ascii=False).encode() + b"\n\n"
 
-    def opening(self, prompt_tokens: int) -> bytes:
-        usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
+    def opening(self) -> bytes:
+        usage = {"input_tokens": self.prompt_tokens, "output_tokens": 0}
         return self.event("message_start", message=self._message([], None, None, usage)) + self.event("ping")
 
     def _text(self, text: str) -> bytes:

@@ -498,17 +498,17 @@ class Ingress:
 
     async def _messages_answer(self, ep: Endpoint, rid: str, p: _Pending, api_req: Any, req: Any,
                                res: Submitted) -> Response:
-        ms = MessagesShaper(rid, self.model_names[0], res.tools)
+        shaper = MessagesShaper(rid, self.model_names[0], res.tools, res.prompt_tokens)
         if req.stream:
-            return self._stream(rid, self._messages_sse(rid, p.queue, ms, res.prompt_tokens))
-        return await self._messages_collect(rid, p.queue, ms)
+            return self._stream(rid, self._typed_sse(rid, p.queue, shaper))
+        return await self._typed_collect(rid, p.queue, shaper)
 
     async def _responses_answer(self, ep: Endpoint, rid: str, p: _Pending, api_req: Any, req: Any,
                                 res: Submitted) -> Response:
         shaper = ResponsesShaper(rid, self.model_names[0], api_req)
         if req.stream:
-            return self._stream(rid, self._responses_sse(rid, p.queue, shaper))
-        return await self._responses_collect(rid, p.queue, shaper)
+            return self._stream(rid, self._typed_sse(rid, p.queue, shaper))
+        return await self._typed_collect(rid, p.queue, shaper)
 
     def _stream(self, rid: str, events: AsyncIterator[bytes]) -> StreamingResponse:
         return _event_stream(self._guarded(rid, events), BackgroundTask(self._release, rid))
@@ -611,18 +611,22 @@ class Ingress:
                 yield out
         yield DONE
 
-    async def _responses_collect(self, rid: str, q: asyncio.Queue, shaper: ResponsesShaper) -> Response:
+    async def _typed_collect(self, rid: str, q: asyncio.Queue, shaper: Any) -> Response:
+        """A whole answer of a shaper of typed events (Responses, Messages): ``add`` each batch,
+        then its ``final`` body."""
         last = None
         async for batch in self._outputs(rid, q):
             shaper.add(batch)
             last = batch[-1]
-        assert last is not None
-        if last.finish_reason is not None and last.finish_reason.failed:
+        if last is None or last.finish_reason is None:
+            return err_response(504, f"request timed out after {self.request_timeout_s} s")
+        if last.finish_reason.failed:
             return _error_of(last)
-        return JSONResponse(shaper.response(shaper.status_of(last), last))
+        return JSONResponse(shaper.final(last))
 
-    async def _responses_sse(self, rid: str, q: asyncio.Queue, shaper: ResponsesShaper):
-        """The Responses API's typed events (no ``[DONE]``)."""
+    async def _typed_sse(self, rid: str, q: asyncio.Queue, shaper: Any):
+        """A shaper's typed events (no ``[DONE]``): its opening, a delta per batch of text, then
+        its closing (or its error event)."""
         yield shaper.opening()
         async for batch in self._outputs(rid, q):
             last = batch[-1]
@@ -633,33 +637,6 @@ class Ingress:
                 return
             if last.finish_reason is not None:
                 yield out + shaper.closing(last)
-                return
-            if out:
-                yield out
-
-    async def _messages_collect(self, rid: str, q: asyncio.Queue, ms: MessagesShaper) -> Response:
-        last = None
-        async for batch in self._outputs(rid, q):
-            ms.add(batch)
-            last = batch[-1]
-        if last is None or last.finish_reason is None:
-            return err_response(504, f"request timed out after {self.request_timeout_s} s")
-        if last.finish_reason.failed:
-            return _error_of(last)
-        return JSONResponse(ms.message(last))
-
-    async def _messages_sse(self, rid: str, q: asyncio.Queue, ms: MessagesShaper, prompt_tokens: int):
-        """Anthropic's typed events: message_start, content blocks and their deltas, message_delta
-        (the stop reason and usage), message_stop."""
-        yield ms.opening(prompt_tokens)
-        async for batch in self._outputs(rid, q):
-            last = batch[-1]
-            out = ms.delta("".join(o.text for o in batch))
-            if last.finish_reason is not None and last.finish_reason.failed:
-                yield out + ms.failed(*_error_status(last))
-                return
-            if last.finish_reason is not None:
-                yield out + ms.closing(last)
                 return
             if out:
                 yield out

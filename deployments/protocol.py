@@ -20,7 +20,14 @@ from pydantic import (
 
 from engine.grammar import JSON_OBJECT_SCHEMA, GrammarSpec, check_source
 from engine.params import SAMPLER_NAMES, SamplingParams
-from engine.tools import check_tools, chosen, template_message
+from engine.tools import (
+    ToolCallStream,
+    check_tools,
+    chosen,
+    limit_calls,
+    parse_tool_calls,
+    template_message,
+)
 
 MAX_PROMPT_CHARS = 1_000_000
 MAX_JSON_DEPTH = 64  # objects and arrays inside each other in a request body
@@ -65,6 +72,14 @@ class ToolSettings:
 
     names: tuple[str, ...]
     parallel: bool
+
+    def read(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """``(content, calls)`` of a whole answer, the calls cut to one without parallel calls."""
+        content, calls = parse_tool_calls(text, list(self.names))
+        return content, limit_calls(calls, self.parallel)
+
+    def stream(self) -> ToolCallStream:
+        return ToolCallStream(list(self.names), self.parallel)
 
 
 @dataclass(frozen=True)

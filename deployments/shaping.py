@@ -13,7 +13,7 @@ from typing import Any
 
 from deployments.protocol import LogprobsShaper, ToolSettings, now, prompt_progress, timings, usage
 from engine.reasoning import ReasoningPlan, ReasoningSplitter, split_reasoning
-from engine.tools import ToolCallStream, limit_calls, parse_tool_calls, tool_finish
+from engine.tools import tool_finish
 from engine.types import Output
 
 
@@ -103,7 +103,7 @@ class Choice:
         self.want_logprobs = want_logprobs
         self.tools = tools
         self._shaper = LogprobsShaper(kind) if want_logprobs else None
-        self._calls = ToolCallStream(list(tools.names), tools.parallel) if tools is not None else None
+        self._calls = tools.stream() if tools is not None else None
 
     @property
     def finished(self) -> bool:
@@ -129,8 +129,7 @@ class Choice:
             thinking, text = split_reasoning(self.reasoning, text)
             message = {"role": "assistant", "content": text, **({"reasoning_content": thinking} if thinking else {})}
         if self.tools is not None:
-            content, calls = parse_tool_calls(text, list(self.tools.names))
-            calls = limit_calls(calls, self.tools.parallel)
+            content, calls = self.tools.read(text)
             if calls:
                 message = {**message, "content": content or None, "tool_calls": calls}
                 finish = tool_finish(finish)
@@ -231,6 +230,10 @@ class ResponsesShaper:
     @staticmethod
     def status_of(final: Output) -> str:
         return "incomplete" if final.finish_reason == "length" else "completed"
+
+    def final(self, last: Output) -> dict[str, Any]:
+        """The whole answer's body."""
+        return self.response(self.status_of(last), last)
 
     def add(self, outs: list[Output]) -> None:
         self.parts.extend(o.text for o in outs)

@@ -139,18 +139,22 @@ def _check_grammar_text(text: str) -> None:
         elif c in "({":
             depth += 1
             most = max(most, depth)
-            if c == "{":
-                m = re.match(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}", text[i:i + 48])
-                if m and any(g and int(g) > MAX_REPEAT for g in m.groups()):
-                    raise RequestError(f"a counted repetition in the grammar exceeds {MAX_REPEAT}")
         elif c in ")}":
             depth -= 1
         i += 1
         if most > MAX_NESTING:
             raise RequestError(f"the grammar nests deeper than {MAX_NESTING} levels")
-    for m in re.finditer(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}", text):  # also inside regex literals
+    _check_counts(text, "a counted repetition in the grammar")  # regex literals' too
+
+
+_COUNTED = re.compile(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def _check_counts(text: str, what: str) -> None:
+    """Every ``{m}``, ``{m,}``, ``{m,n}`` and ``{,n}`` at most ``MAX_REPEAT``."""
+    for m in _COUNTED.finditer(text):
         if any(g and int(g) > MAX_REPEAT for g in m.groups()):
-            raise RequestError(f"a counted repetition in the grammar exceeds {MAX_REPEAT}")
+            raise RequestError(f"{what} exceeds {MAX_REPEAT}")
 
 
 def check_schema(schema: Any, what: str = "json_schema") -> None:
@@ -190,9 +194,7 @@ def check_schema(schema: Any, what: str = "json_schema") -> None:
 def _check_regex(pattern: str, what: str) -> None:
     if len(pattern) > 4096:
         raise RequestError(f"{what}: a pattern is longer than 4096 characters")
-    for m in re.finditer(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}", pattern):
-        if any(g and int(g) > MAX_REPEAT for g in m.groups()):
-            raise RequestError(f"{what}: a counted repetition in a pattern exceeds {MAX_REPEAT}")
+    _check_counts(pattern, f"{what}: a counted repetition in a pattern")
     depth = most = 0
     for c in pattern:
         depth += c == "("
@@ -256,8 +258,6 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.overrun = 0
         self.max_overrun = max(1, threads - 1)
-        self.compiled = 0
-        self.refused = 0
 
     def tokenizer(self) -> Any:
         """llguidance's view of the vocabulary, made once (about a second for 262,144 tokens)."""
@@ -268,30 +268,24 @@ class GrammarCompiler:
 
     def compile(self, spec: GrammarSpec) -> GrammarState:
         """The matcher of ``spec``, its first mask computed; raises ``RequestError``."""
+        check_source(spec)
+        with self._lock:
+            if self.overrun >= self.max_overrun:
+                raise RequestError("the server is still compiling earlier grammars that ran past their "
+                                   f"budget of {self.budget_s:g} s; retry later")
+        fut = self._pool.submit(self._build, spec)
         try:
-            check_source(spec)
+            return fut.result(timeout=self.budget_s)
+        except FutureTimeout:
             with self._lock:
-                if self.overrun >= self.max_overrun:
-                    raise RequestError("the server is still compiling earlier grammars that ran past their "
-                                       f"budget of {self.budget_s:g} s; retry later")
-            fut = self._pool.submit(self._build, spec)
-            try:
-                state = fut.result(timeout=self.budget_s)
-            except FutureTimeout:
-                with self._lock:
-                    self.overrun += 1
-                fut.add_done_callback(self._back)
-                raise RequestError(f"the grammar took longer than {self.budget_s:g} s to compile; simplify it") from None
-            except RequestError:
-                raise
-            except Exception as e:  # whatever else a hostile grammar makes the compiler raise
-                log.warning("grammar compilation failed: %r", e)
-                raise RequestError(f"the grammar cannot be compiled: {_short(str(e))}") from None
+                self.overrun += 1
+            fut.add_done_callback(self._back)
+            raise RequestError(f"the grammar took longer than {self.budget_s:g} s to compile; simplify it") from None
         except RequestError:
-            self.refused += 1
             raise
-        self.compiled += 1
-        return state
+        except Exception as e:  # whatever else a hostile grammar makes the compiler raise
+            log.warning("grammar compilation failed: %r", e)
+            raise RequestError(f"the grammar cannot be compiled: {_short(str(e))}") from None
 
     def _back(self, _fut: object) -> None:
         with self._lock:
@@ -362,7 +356,6 @@ class GrammarState:
         self._bits = np.full((n_vocab + 31) // 32, -1, dtype=np.int32)
         self._fresh = False  # _bits is the mask of the current state
         self.compile_s = 0.0
-        self.masks = 0  # full masks computed (the profiler's count of rejections)
 
     def copy(self) -> GrammarState:
         g = GrammarState(self.m.deep_copy(), self.n_vocab)
@@ -377,7 +370,6 @@ class GrammarState:
         """The allowed tokens (bools over the vocabulary) in the current state."""
         if not self._fresh:
             self.m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-            self.masks += 1
             if self.m.is_error():
                 raise GrammarDeadEnd(_short(self.m.get_error()))
             self._fresh = True

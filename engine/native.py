@@ -291,7 +291,7 @@ class Model:
         return {"vocab_type": int(llama_cpp.llama_vocab_type(self.vocab)), "n_vocab": self.n_vocab,
                 "n_ctx_train": self.n_ctx_train, "n_embd": int(llama_cpp.llama_model_n_embd(self.ptr)),
                 "n_params": int(llama_cpp.llama_model_n_params(self.ptr)),
-                "size": int(llama_cpp.llama_model_size(self.ptr))}
+                "size": int(self.size_bytes)}
 
     @staticmethod
     def n_layer_of(path: str) -> int:

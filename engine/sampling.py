@@ -196,7 +196,7 @@ class SamplerChain:
                 row[self.banned] = -np.inf
             tok = int(np.argmax(row))
             if self.params.post_sampling_probs and self.params.logprobs is not None:
-                self.post = (0.0, [(tok, 0.0)][: self.params.logprobs])
+                self.post = self._post_sampling(None, tok)
             return tok
         cand = thread_candidates(self.n_vocab)
         tok = self._pick(cand, cand.fill(row))
@@ -230,12 +230,12 @@ class SamplerChain:
             self.post = self._post_sampling(cand, int(s.data[s.selected].id))
         return int(s.data[s.selected].id)
 
-    def _post_sampling(self, cand: Candidates, tok: int) -> tuple[float, list[tuple[int, float]]]:
+    def _post_sampling(self, cand: Candidates | None, tok: int) -> tuple[float, list[tuple[int, float]]]:
         """llama-server's post_sampling_probs: the chosen token's log probability and the most
         likely ones, in the distribution the chain sampled from (what its samplers kept); a
-        greedy pick is certain."""
-        kept = cand.arr[: cand.struct.size]
-        p = kept["p"].astype(np.float64)
+        greedy pick (``cand`` None: the argmax path) is certain."""
+        kept = cand.arr[: cand.struct.size] if cand is not None else None
+        p = kept["p"].astype(np.float64) if kept is not None else np.zeros(0)
         total = float(p.sum())
         if total <= 0:  # greedy: no distribution was computed
             return 0.0, [(tok, 0.0)][: self.params.logprobs]
