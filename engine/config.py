@@ -95,6 +95,15 @@ class EngineConfig(BaseModel):
     cache_prompt: bool = Field(
         default=True, description="Reuse the common prefix of a slot's cached tokens for a new prompt."
     )
+    share_prefix: bool = Field(
+        default=True,
+        description="A new prompt takes a longer prefix held (or being computed) by another slot of its "
+        "group as a copy of that slot's KV on the device, instead of evaluating it again. Not for "
+        "recurrent or hybrid models.",
+    )
+    share_min_tokens: int = Field(
+        default=32, ge=1, description="Least gain, in prompt tokens, for a prefix to be copied from another slot."
+    )
     slot_prompt_similarity: float = Field(
         default=0.1,
         ge=0.0,

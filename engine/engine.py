@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,57 +81,48 @@ class Engine:
         for ep in config.rpc_endpoints:
             rpc_devices += add_rpc_server(ep)
         self.devices = default_devices(config, rpc_devices)
-        self.model = Model(
-            config.model,
-            devices=self.devices,
-            n_gpu_layers=config.n_gpu_layers,
-            tensor_split=layer_split(config, self.devices),
-            repack=config.repack,
-        )
-        self.draft_model = None
-        if config.speculative is not None and config.speculative.type == "draft":
-            try:
+        # native handles are freed by construction: whatever fails below, what was created
+        # before it goes, in reverse order (contexts before the models they were made from)
+        with ExitStack() as built:
+            self.model = Model(
+                config.model,
+                devices=self.devices,
+                n_gpu_layers=config.n_gpu_layers,
+                tensor_split=layer_split(config, self.devices),
+                repack=config.repack,
+            )
+            built.callback(self.model.close)
+            self.draft_model = None
+            if config.speculative is not None and config.speculative.type == "draft":
                 self.draft_model = load_draft_model(config.speculative, self.model)
-            except BaseException:
-                self.model.close()
-                raise
-        self.model_name = config.model_alias or Path(config.model).name
-        self.tokenizer = Tokenizer(self.model, config.chat_template, config.chat_template_file)
-        self.grammars = GrammarCompiler(self.tokenizer, budget_s=config.grammar_budget_s)
-        self.groups: list[PipelineGroup] = []
-        per = config.n_slots_per_group
-        self.slots = [Slot(id=i, group=i // per, seq_id=i % per) for i in range(config.n_parallel)]
-        self.scheduler = Scheduler(
-            [s.view() for s in self.slots],
-            dispatch=lambda g, r: self.groups[g].inbox.put(StartMsg(r)),
-            cancel_running=lambda g, rid: self.groups[g].inbox.put(CancelMsg(rid)),
-            sink=self._sink,
-            max_queued=config.max_queued_requests,
-            similarity=config.slot_prompt_similarity,
-        )
-        try:
+                built.callback(self.draft_model.close)
+            self.model_name = config.model_alias or Path(config.model).name
+            self.tokenizer = Tokenizer(self.model, config.chat_template, config.chat_template_file)
+            self.grammars = GrammarCompiler(self.tokenizer, budget_s=config.grammar_budget_s)
+            built.callback(self.grammars.close)
+            self.groups: list[PipelineGroup] = []
+            per = config.n_slots_per_group
+            self.slots = [Slot(id=i, group=i // per, seq_id=i % per) for i in range(config.n_parallel)]
+            self.scheduler = Scheduler(
+                [s.view() for s in self.slots],
+                dispatch=lambda g, r: self.groups[g].inbox.put(StartMsg(r)),
+                cancel_running=lambda g, rid: self.groups[g].inbox.put(CancelMsg(rid)),
+                sink=self._sink,
+                max_queued=config.max_queued_requests,
+                similarity=config.slot_prompt_similarity,
+                share_prefix=config.share_prefix and config.cache_prompt and not self.model.recurrent,
+                share_min=config.share_min_tokens,
+            )
             for g in range(config.pipeline_groups):
-                self.groups.append(
-                    PipelineGroup(
-                        g,
-                        self.model,
-                        self.tokenizer,
-                        config,
-                        self.slots[g * per : (g + 1) * per],
-                        self._sink,
-                        self.scheduler.release,
-                        draft_model=self.draft_model,
-                    )
-                )
+                group = PipelineGroup(g, self.model, self.tokenizer, config, self.slots[g * per : (g + 1) * per],
+                                      self._sink, self.scheduler.release, draft_model=self.draft_model)
+                built.callback(group.close)
+                self.groups.append(group)
             self.embedder = (Embedder(self.model, config.n_ubatch, config.local_threads(), config.pooling,
                                       config.flash_attn) if config.embeddings else None)
-        except BaseException:
-            for grp in self.groups:
-                grp.close()
-            if self.draft_model is not None:
-                self.draft_model.close()
-            self.model.close()
-            raise
+            if self.embedder is not None:
+                built.callback(self.embedder.close)
+            self._free = built.pop_all()
         self.n_ctx_slot = self.groups[0].n_ctx_slot
         self._closed = False
         for grp in self.groups:
@@ -364,14 +356,7 @@ class Engine:
         if stuck:
             log.error("pipeline group(s) %s did not stop; their native state is left as it is", stuck)
             return
-        for g in self.groups:
-            g.close()
-        if self.embedder is not None:
-            self.embedder.close()
-        self.grammars.close()
-        if self.draft_model is not None:
-            self.draft_model.close()
-        self.model.close()
+        self._free.close()  # the embedder, the groups, the grammars, the draft model, the model
 
 
 def _is_plain_filename(name: str) -> bool:

@@ -283,6 +283,8 @@ class Model:
         self.n_layer = llama_cpp.llama_model_n_layer(self.ptr)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.n_swa = int(llama_cpp.llama_model_n_swa(self.ptr))  # 0 without sliding-window layers
+        # a recurrent state (whole or in part) cannot be cut at a position or copied in part
+        self.recurrent = bool(llama_cpp.llama_model_is_recurrent(self.ptr) or llama_cpp.llama_model_is_hybrid(self.ptr))
         self.eos = llama_cpp.llama_vocab_eos(self.vocab)
         self.size_bytes = llama_cpp.llama_model_size(self.ptr)
 
@@ -416,23 +418,11 @@ class Context:
     def seq_rm(self, seq_id: int, p0: int, p1: int = -1) -> bool:
         return bool(llama_cpp.llama_memory_seq_rm(self.memory, seq_id, p0, p1))
 
-    def keep_prefix(self, seq_id: int, cached: list[int], n_keep: int) -> int:
-        """Keep the first ``n_keep`` of a sequence's ``cached`` tokens in its KV and drop the rest
-        (``cached`` is cut to match); none when sliding-window layers dropped positions that
-        prefix would attend over, or the KV cannot be cut there. Returns how many were kept."""
-        if n_keep > 0 and self.seq_pos_min(seq_id) > max(0, n_keep - self.model.n_swa):
-            n_keep = 0
-        if n_keep < len(cached):
-            if not self.seq_rm(seq_id, n_keep, -1):
-                self.seq_rm(seq_id, 0, -1)
-                n_keep = 0
-            del cached[n_keep:]
-        return n_keep
-
-    def seq_cp(self, src: int, dst: int) -> None:
-        """Copy a whole sequence's KV to another (empty) sequence. With one KV stream per
-        sequence llama.cpp copies the source's stream at the start of the next decode."""
-        llama_cpp.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Copy a sequence's KV (positions [p0, p1), -1: all) to another (empty) sequence.
+        With one KV stream per sequence llama.cpp copies the source's whole stream at the
+        start of the next decode, and takes no range (it aborts the process on one)."""
+        llama_cpp.llama_memory_seq_cp(self.memory, src, dst, p0, p1)
 
     def seq_pos_min(self, seq_id: int) -> int:
         return int(llama_cpp.llama_memory_seq_pos_min(self.memory, seq_id))

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from engine.prefix import group_prefixes
 from engine.slots import SlotView, choose_slot
 from engine.types import FinishReason, Output, QueueFullError, Request
 
@@ -29,6 +30,8 @@ class Scheduler:
         sink: Callable[[list[Output]], None],
         max_queued: int,
         similarity: float,
+        share_prefix: bool = False,
+        share_min: int = 1,
     ) -> None:
         self._lock = threading.Lock()
         self._views = {v.id: v for v in views}
@@ -37,6 +40,9 @@ class Scheduler:
         self._waiting: OrderedDict[str, Request] = OrderedDict()
         self._running: dict[str, Request] = {}
         self._slot_request: dict[int, str] = {}
+        self._slot_prompt: dict[int, np.ndarray] = {}  # a busy slot's prompt: its KV will hold it
+        self.share_prefix = share_prefix  # groups share prefixes between their slots
+        self.share_min = share_min  # ... of at least this many tokens
         self._dispatch = dispatch
         self._cancel_running = cancel_running
         self._sink = sink
@@ -82,7 +88,11 @@ class Scheduler:
         if r.id_slot >= 0:
             v = self._views[r.id_slot]
         else:
-            v = choose_slot(idle, prompt, self._last_used, self.similarity, busy)
+            held = None
+            if self.share_prefix and r.cache_prompt:
+                held = group_prefixes([(w.group, w.cached_tokens) for w in self._views.values()]
+                                      + [(self._views[sid].group, p) for sid, p in self._slot_prompt.items()], prompt)
+            v = choose_slot(idle, prompt, self._last_used, self.similarity, busy, held, self.share_min)
         # followers: the group's other idle slots nearest in sequence id (one micro-batch)
         others = sorted((w for w in idle if w.group == v.group and w.id != v.id), key=lambda w: abs(w.seq_id - v.seq_id))
         for member, slot in zip(r.family, [v, *others], strict=False):
@@ -90,6 +100,7 @@ class Scheduler:
             member.slot_id = slot.id
             self._running[member.id] = member
             self._slot_request[slot.id] = member.id
+            self._slot_prompt[slot.id] = prompt
         self._dispatch(v.group, r)
 
     def release(self, view: SlotView, finished: bool) -> None:
@@ -98,6 +109,7 @@ class Scheduler:
             self._views[view.id] = view
             if not finished:
                 return
+            self._slot_prompt.pop(view.id, None)
             rid = self._slot_request.pop(view.id, None)
             if rid is not None:
                 self._running.pop(rid, None)

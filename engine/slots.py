@@ -1,7 +1,8 @@
 """Slots: the state of one sequence of a group's context, and how a slot is chosen.
 
-A ``Slot``'s mutable state belongs to its group's thread. The scheduler chooses among idle
-slots from ``SlotView`` snapshots that the group publishes when it releases a slot.
+A ``Slot``'s mutable state belongs to its group's thread; a request runs on it between
+``Slot.start`` and ``Slot.finish`` (the one place a slot is reset). The scheduler chooses among
+idle slots from ``SlotView`` snapshots that the group publishes when a slot starts or ends.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine.prefix import common_prefix
 from engine.text import TextStream
 from engine.types import Request
 
@@ -86,10 +88,66 @@ class Slot:
     t_first_token: float = 0.0
     saw_newline: bool = False  # the output has a newline (t_max_predict_ms ends it only after one)
     last_used: float = field(default_factory=time.monotonic)
-    # n > 1: a leader's followers that wait for its prompt; a follower's leader
+    # slots that wait for this slot's prompt to reach ``share`` tokens and take a copy of its
+    # KV (n > 1 followers, and requests that share its prefix); the leader such a slot waits for
     forks: list[Slot] = field(default_factory=list)
     leader: Slot | None = None
+    share: int = 0  # a waiting slot: how many of its leader's tokens it takes
+    joins: bool = False  # an n > 1 follower: it samples its first token from its leader's row
     spec: SpecState = field(default_factory=SpecState)  # speculative decoding's back-off
+
+    @property
+    def waiting(self) -> bool:
+        return self.leader is not None
+
+    def start(self, r: Request, sampler: SamplerChain, n_reused: int, *, leader: Slot | None = None,
+              share: int = 0, joins: bool = False) -> None:
+        """Run ``r`` here: its KV holds ``n_reused`` prompt tokens (or, with a leader, will hold
+        the first ``share`` of the leader's once they are computed)."""
+        assert self.state is SlotState.IDLE, f"slot {self.id} is busy"
+        self.req = r
+        self.sampler = sampler
+        self.text = TextStream(r.params.stop)
+        self.n_prompt_done = self.n_reused = n_reused
+        self.n_generated = 0
+        self.last_token = -1
+        self.t_start = time.monotonic()
+        self.t_first_token = 0.0
+        self.saw_newline = False
+        self.spec.reset()
+        self.state = SlotState.PROMPT
+        self.leader, self.share, self.joins = leader, share, joins
+        if leader is not None:
+            leader.forks.append(self)
+
+    def took(self, n: int) -> None:
+        """A waiting slot got its leader's first ``n`` tokens (0: it evaluates them itself).
+        An n > 1 follower's prompt counts as evaluated, not as reused from a cache."""
+        if self.leader is not None:
+            self.leader.forks.remove(self)
+        self.leader, self.share = None, 0
+        self.n_prompt_done = n
+        if not self.joins:
+            self.n_reused = n
+        self.joins = False
+
+    def finish(self) -> None:
+        """Back to idle: the request, its sampler and its links go; the KV stays."""
+        if self.sampler is not None:
+            self.sampler.close()
+            self.sampler = None
+        # slots waiting for this one evaluate their prompt themselves; this one leaves its leader
+        for f in self.forks:
+            f.leader, f.share = None, 0
+        self.forks = []
+        if self.leader is not None:
+            self.leader.forks.remove(self)
+            self.leader, self.share = None, 0
+        self.joins = False
+        self.text = None
+        self.req = None
+        self.state = SlotState.IDLE
+        self.last_used = time.monotonic()
 
     def view(self) -> SlotView:
         return SlotView(
@@ -103,14 +161,6 @@ class Slot:
         )
 
 
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
-
-
 # A prefix this close to the longest one counts as equal, so that the less busy group wins.
 NEAR_PREFIX = 0.9
 
@@ -121,19 +171,28 @@ def choose_slot(
     last_used: dict[int, float],
     similarity: float,
     busy: dict[int, set[int]] | None = None,
+    held: dict[int, int] | None = None,
+    min_shared: int = 1,
 ) -> SlotView:
     """The slot for a new prompt.
 
-    Longest common prefix with the slot's cached tokens when it covers at least
+    Longest common prefix with the slot's own cached tokens when it covers at least
     ``similarity`` of the prompt; among near-equal prefixes (and when no prefix is good
     enough) the group with fewer busy slots, so that the groups share the load at any
     concurrency; then the slot that keeps the group's busy sequence ids consecutive (one
     micro-batch per step, see engine/batching.py); then least recently used.
     ``busy`` maps a group to the sequence ids of its busy slots.
+
+    ``held`` (groups that share prefixes between their slots) maps a group to the longest
+    prefix of the prompt that any of its slots holds or is computing (``group_prefixes``).
+    When that is at least ``min_shared`` tokens and clearly longer than any idle slot's own, it is weighed against balance: a
+    group holding it counts one busy slot fewer, so it takes the request unless it is
+    already busier than another group by two or more.
     """
     if not idle:
         raise ValueError("no idle slot")
     busy = busy or {}
+    n = len(prompt)
 
     def n_busy(v: SlotView) -> int:
         return len(busy.get(v.group, ()))
@@ -145,9 +204,20 @@ def choose_slot(
     def rest(v: SlotView) -> tuple:
         return (new_runs(v), last_used.get(v.id, 0.0), v.id)
 
+    def enough(k: int) -> bool:
+        return k > 0 and n > 0 and k / n >= similarity
+
     lcp = {v.id: common_prefix(v.cached_tokens, prompt) for v in idle}
     best = max(lcp.values())
-    if best > 0 and len(prompt) and best / len(prompt) >= similarity:
+    in_group = {v.group: h if (h := (held or {}).get(v.group, 0)) >= min_shared else 0 for v in idle}
+    best_held = max(in_group.values())
+    if enough(best) and best >= NEAR_PREFIX * best_held:
         near = [v for v in idle if lcp[v.id] >= NEAR_PREFIX * best]
         return min(near, key=lambda v: (n_busy(v), -lcp[v.id], *rest(v)))
+    if enough(best_held):
+        def weighed(v: SlotView) -> tuple:
+            h = in_group[v.group]
+            return (n_busy(v) - (h >= NEAR_PREFIX * best_held), -h, -lcp[v.id], *rest(v))
+
+        return min(idle, key=weighed)
     return min(idle, key=lambda v: (n_busy(v), *rest(v)))

@@ -33,7 +33,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.slots import common_prefix
+from engine.prefix import common_prefix, keep_prefix
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class ModelDrafter:
         ``history`` still to feed (at least the last one, whose logits give the first draft)."""
         have = self.tokens[seq]
         k = min(common_prefix(np.asarray(have, np.int32), np.asarray(history, np.int32)), len(history) - 1)
-        return history[self.ctx.keep_prefix(seq, have, k):]
+        return history[keep_prefix(self.ctx, self.model.n_swa, seq, have, k):]
 
     def _decode(self) -> None:
         self.ctx.decode(self.batch)

@@ -175,23 +175,50 @@ def test_post_sampling_probs_are_the_chains_distribution(make_engine):
 
 
 def test_a_draft_that_fails_to_load_leaves_no_context_behind(make_engine, monkeypatch, model_path):
-    """Contexts are freed before their model whatever fails while an engine is built."""
-    from engine import group as group_mod
-    from engine import native
+    """Native handles are freed by construction whatever fails while an engine is built: here
+    the second group's drafter, after the first group (its context and its draft context) and
+    the second group's context exist. Every context is freed, and both models after them."""
+    from engine import native, runner
+    from engine.speculative import ModelDrafter
 
     made: list = []
-    real_init = native.Context.__init__
+    models: list = []
+    freed: list = []
+    real_init, real_model_init = native.Context.__init__, native.Model.__init__
+    real_free, real_model_close = native.llama_cpp.llama_free, native.Model.close
 
     def recording_init(self, *a, **kw):
         real_init(self, *a, **kw)
         made.append(self)
 
-    class BrokenDrafter:
-        def __init__(self, *a, **kw):
+    def recording_model(self, *a, **kw):
+        real_model_init(self, *a, **kw)
+        models.append(self)
+
+    def recording_free(ptr):
+        freed.append("ctx")
+        real_free(ptr)
+
+    def recording_close(self):
+        if getattr(self, "ptr", None):
+            freed.append("model")
+        real_model_close(self)
+
+    calls = []
+
+    def second_fails(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
             raise RuntimeError("the draft context could not be made")
+        return ModelDrafter(*a, **kw)
 
     monkeypatch.setattr(native.Context, "__init__", recording_init)
-    monkeypatch.setattr(group_mod, "ModelDrafter", BrokenDrafter)
+    monkeypatch.setattr(native.Model, "__init__", recording_model)
+    monkeypatch.setattr(native.Model, "close", recording_close)
+    monkeypatch.setattr(native.llama_cpp, "llama_free", recording_free)
+    monkeypatch.setattr(runner, "ModelDrafter", second_fails)
     with pytest.raises(RuntimeError, match="draft context"):
         make_engine(n_parallel=2, pipeline_groups=2, speculative={"type": "draft", "model": model_path})
-    assert made and all(c.ptr is None for c in made)
+    assert len(made) == 3 and all(c.ptr is None for c in made)  # group 0, its drafter's, group 1
+    assert len(models) == 2 and all(m.ptr is None for m in models)  # the target and the draft model
+    assert freed == ["ctx"] * 3 + ["model"] * 2, freed

@@ -1,0 +1,203 @@
+"""The KV prefix: which tokens each sequence of a group's context holds, and what a new prompt
+may reuse of them.
+
+A group's ``PrefixCache`` is the only writer of its slots' ``cache_tokens`` (the tokens whose
+KV is in the slot's sequence) and the only caller of the context's sequence operations on
+their behalf. A new prompt reuses, in this order of preference:
+
+- its own slot's cached prefix (what llama-server does), or
+- a longer prefix held by *another* slot of the group, idle or busy: its KV is copied on the
+  device (``llama_memory_seq_cp``; on the peer the RPC server copies its own buffers, nothing
+  crosses the link), or
+- a prefix another slot of the group is computing right now: the new slot waits until that
+  slot's prompt has got there, then copies it, instead of evaluating it a second time.
+
+What may be reused is bounded by the model: a sliding-window model keeps only the last
+``n_swa`` positions in its window layers, so a prefix is reusable only while the positions it
+attends over are still there (``window_holds``); a recurrent or hybrid model's state cannot be
+cut at a position, so it shares nothing and reuses only what llama.cpp can keep.
+
+The scheduler sees the same facts from outside (the slots' published cached tokens and the
+prompts it handed out): ``group_prefixes`` tells it how much of a prompt each group already
+holds or is computing, which it weighs against balance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from engine.native import Context
+    from engine.slots import Slot
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+def _lcp(a: list[int] | np.ndarray, b: np.ndarray) -> int:
+    return common_prefix(np.asarray(a, np.int32), b)
+
+
+def window_holds(ctx: Context, n_swa: int, seq_id: int, n: int) -> bool:
+    """Whether the first ``n`` tokens of a sequence can be continued: a sliding-window cache
+    dropped the oldest positions, and the next token attends over the ``n_swa`` before it."""
+    return n <= 0 or ctx.seq_pos_min(seq_id) <= max(0, n - n_swa)
+
+
+def keep_prefix(ctx: Context, n_swa: int, seq_id: int, cached: list[int], n_keep: int) -> int:
+    """Keep the first ``n_keep`` of a sequence's ``cached`` tokens in its KV and drop the rest
+    (``cached`` is cut to match); none when the window dropped positions that prefix attends
+    over, or the KV cannot be cut there (a recurrent state). Returns how many were kept."""
+    if n_keep > 0 and not window_holds(ctx, n_swa, seq_id, n_keep):
+        n_keep = 0
+    if n_keep < len(cached):
+        if not ctx.seq_rm(seq_id, n_keep, -1):
+            ctx.seq_rm(seq_id, 0, -1)
+            n_keep = 0
+        del cached[n_keep:]
+    return n_keep
+
+
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    """What a new prompt reuses: ``own`` tokens of its slot's own KV, or ``shared`` tokens of
+    ``source``'s, which its KV holds now (``ready``) or will once its prompt gets there."""
+
+    own: int = 0
+    source: Slot | None = None
+    shared: int = 0
+    ready: bool = False
+
+    @property
+    def n(self) -> int:
+        return self.shared if self.source is not None else self.own
+
+
+class PrefixCache:
+    """The KV prefix of one group's sequences (its thread only)."""
+
+    def __init__(self, ctx: Context, *, n_swa: int, unified: bool, shareable: bool, share_min: int) -> None:
+        self.ctx = ctx
+        self.n_swa = n_swa
+        self.unified = unified  # one KV stream: a copy is metadata, and may take a range
+        self.shareable = shareable  # not for recurrent or hybrid models
+        self.share_min = max(1, share_min)
+        self.n_copied = 0  # prefix tokens copied from another sequence instead of evaluated
+        self.n_copies = 0
+        # stream copies llama.cpp has queued for the next decode: destination -> source sequence
+        self.pending: dict[int, int] = {}
+
+    # ---- what a prompt may reuse (no writes) ------------------------------------------------
+
+    def plan(self, slot: Slot, prompt: list[int], others: list[Slot], *, own: bool, share: bool) -> Reuse:
+        """The best reuse for ``prompt`` on ``slot``; ``others`` are the group's other slots.
+        The last prompt token is always evaluated (its logits give the first token)."""
+        p = np.asarray(prompt, np.int32)
+        cap = len(prompt) - 1
+        n_own = min(_lcp(slot.cache_tokens, p), cap) if own and slot.cache_tokens else 0
+        best = Reuse(own=n_own)
+        if not (share and self.shareable) or cap <= 0:
+            return best
+        need = n_own + self.share_min
+        for o in others:
+            if o is slot or o.leader is not None:
+                continue  # a follower's KV is its leader's to give
+            n = min(_lcp(o.cache_tokens, p), cap) if o.cache_tokens else 0
+            if n >= need and n > best.n and window_holds(self.ctx, self.n_swa, o.seq_id, n):
+                best = Reuse(own=n_own, source=o, shared=n, ready=True)
+            if o.req is not None and o.n_prompt_done < len(o.req.prompt_tokens):
+                # a prompt on its way: worth waiting for when it gives clearly more
+                m = min(_lcp(o.req.prompt_tokens, p), cap)
+                if m >= need and m >= best.n + self.share_min:
+                    best = Reuse(own=n_own, source=o, shared=m, ready=o.n_prompt_done >= m)
+        return best
+
+    def due(self, waiter: Slot) -> bool:
+        """Whether the prefix a waiting slot takes from its leader is in the leader's KV."""
+        return waiter.leader is not None and len(waiter.leader.cache_tokens) >= waiter.share
+
+    # ---- writes -----------------------------------------------------------------------------
+
+    def keep(self, slot: Slot, n: int) -> int:
+        """Keep the first ``n`` tokens of the slot's own KV; returns how many it kept."""
+        return keep_prefix(self.ctx, self.n_swa, slot.seq_id, slot.cache_tokens, n)
+
+    def copy(self, src: Slot, dst: Slot, n: int) -> bool:
+        """Give ``dst`` the first ``n`` tokens of ``src``'s KV (dropping what ``dst`` held);
+        False when the window no longer holds them (``dst`` is then empty). With one stream
+        per sequence llama.cpp copies the whole stream at the start of the next decode, and
+        the copy is cut at ``n`` here; with one shared stream the cells are shared."""
+        n = min(n, len(src.cache_tokens))
+        self.ctx.seq_rm(dst.seq_id, 0, -1)
+        dst.cache_tokens.clear()
+        if n <= 0 or not window_holds(self.ctx, self.n_swa, src.seq_id, n):
+            return False
+        if self.unified:
+            self.ctx.seq_cp(src.seq_id, dst.seq_id, 0, n)
+        else:
+            self.ctx.seq_cp(src.seq_id, dst.seq_id)
+            self.pending[dst.seq_id] = src.seq_id
+            if n < len(src.cache_tokens) and not self.ctx.seq_rm(dst.seq_id, n, -1):
+                self.ctx.seq_rm(dst.seq_id, 0, -1)
+                return False
+        dst.cache_tokens.extend(src.cache_tokens[:n])
+        self.n_copied += n
+        self.n_copies += 1
+        return True
+
+    def applied(self) -> None:
+        """A decode ran: llama.cpp made the queued copies at its start."""
+        self.pending.clear()
+
+    def settle(self, slot: Slot) -> None:
+        """A slot goes idle: if its copy is still queued, its KV is forgotten, so that nothing
+        written to the source before the next decode can reach it unseen."""
+        if self.pending.pop(slot.seq_id, None) is not None:
+            self.drop(slot)
+
+    def copying_from(self, slot: Slot) -> bool:
+        """Whether a queued copy will read the slot's KV at the next decode."""
+        return slot.seq_id in self.pending.values()
+
+    def extend(self, slot: Slot, tokens: list[int]) -> None:
+        """The decode that just ran put ``tokens`` in the slot's KV."""
+        slot.cache_tokens.extend(tokens)
+
+    def cut(self, slot: Slot, n: int) -> None:
+        """Drop everything from position ``n`` on (rejected draft tokens)."""
+        if not self.ctx.seq_rm(slot.seq_id, n, -1):
+            from engine.native import NativeError
+
+            raise NativeError(f"removing the tokens of sequence {slot.seq_id} after {n} failed", -1)
+        del slot.cache_tokens[n:]
+
+    def drop(self, slot: Slot) -> int:
+        """Forget the slot's KV; returns how many tokens it held."""
+        n = len(slot.cache_tokens)
+        self.ctx.seq_rm(slot.seq_id, 0, -1)
+        slot.cache_tokens.clear()
+        return n
+
+    def load(self, slot: Slot, tokens: list[int]) -> None:
+        """The slot's KV was restored from a file and holds ``tokens``."""
+        slot.cache_tokens[:] = tokens
+
+
+def group_prefixes(held: list[tuple[int, np.ndarray]], prompt: np.ndarray) -> dict[int, int]:
+    """For each group, the longest prefix of ``prompt`` that one of its slots holds in its KV
+    or is computing: ``held`` lists (group, tokens) for every slot's cached tokens and every
+    running request's prompt. What a request sent there would not evaluate again."""
+    out: dict[int, int] = {}
+    for g, toks in held:
+        n = common_prefix(toks, prompt) if len(toks) else 0
+        if n > out.get(g, 0):
+            out[g] = n
+    return out

@@ -1,0 +1,126 @@
+"""The second part of a step: the native side of one group. It owns the group's context, its
+batch, its drafter and its prefix cache, and turns a plan into logits.
+
+Native handles are closed by construction: whatever fails while the runner is built, what was
+created before it is freed (the drafter's context, then the group's), and ``close`` frees
+them in reverse order of creation, contexts always before the model their engine frees last.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import ExitStack
+
+import numpy as np
+
+from engine.config import EngineConfig
+from engine.native import Batch, Context, Model, NativeError
+from engine.planner import Plan
+from engine.prefix import PrefixCache
+from engine.slots import Slot
+from engine.speculative import ModelDrafter, NgramDrafter
+
+log = logging.getLogger(__name__)
+
+
+class Runner:
+    def __init__(self, index: int, model: Model, config: EngineConfig, n_seq: int,
+                 draft_model: Model | None = None) -> None:
+        self.index = index
+        self.n_vocab = model.n_vocab
+        self.backend_sampling = config.backend_sampling
+        n_batch = max(config.n_batch, n_seq)
+        with ExitStack() as built:
+            self.ctx = Context(
+                model,
+                n_ctx=config.n_ctx_per_group,
+                n_seq_max=n_seq,
+                n_batch=n_batch,
+                n_ubatch=config.n_ubatch,
+                n_threads=config.local_threads(),
+                kv_unified=config.kv_unified,
+                swa_full=config.swa_full,
+                flash_attn=config.flash_attn,
+            )
+            built.callback(self.ctx.close)
+            self.drafter: NgramDrafter | ModelDrafter | None = None
+            spec = config.speculative
+            if spec is not None and spec.max_rows > 0:
+                if spec.type == "ngram":
+                    self.drafter = NgramDrafter(spec)
+                else:
+                    self.drafter = ModelDrafter(
+                        spec, draft_model, n_ctx=config.n_ctx_per_group, n_seq=n_seq, n_batch=n_batch,
+                        n_threads=spec.draft_threads or config.local_threads(), flash_attn=config.flash_attn)
+                built.callback(self.drafter.close)
+            self._close = built.pop_all()
+        self.batch = Batch(n_batch)
+        self.n_ctx_slot = self.ctx.n_ctx_seq
+        self.n_ubatch = self.ctx.n_ubatch
+        self.prefix = PrefixCache(self.ctx, n_swa=model.n_swa, unified=config.kv_unified,
+                                  shareable=config.share_prefix and not model.recurrent,
+                                  share_min=config.share_min_tokens)
+        # when the decode in progress began (time.monotonic), 0.0 between decodes: a decode
+        # that never returns (a frozen peer) is seen from outside by this
+        self.decode_since = 0.0
+
+    @property
+    def capacity(self) -> int:
+        return self.batch.capacity
+
+    def close(self) -> None:
+        self._close.close()
+
+    def draft(self, rows: list[tuple[Slot, list[int], int]], n_min: int) -> dict[int, list[int]]:
+        """Drafts (slot id -> tokens) for ``rows``; none when drafting fails (the draft
+        context is reset and the step goes on without)."""
+        if self.drafter is None or not rows:
+            return {}
+        try:
+            drafts = self.drafter.draft(rows)
+        except NativeError as e:
+            log.warning("group %d: drafting failed: %s", self.index, e)
+            self.drafter.reset()
+            return {}
+        return {s.id: dr for (s, _, _), dr in zip(rows, drafts, strict=True) if len(dr) >= n_min}
+
+    def fill(self, plan: Plan) -> None:
+        b = self.batch
+        b.clear()
+        for e in plan.entries:
+            b.add(e.tokens, e.pos0, e.seq_id, (1 + len(e.draft)) if e.out else 0)
+
+    def decode(self, plan: Plan) -> None:
+        """Decode the filled batch; the prefix cache then holds the plan's tokens. Raises
+        ``NativeError`` (``rc < 0``: a compute failure, the context cannot be trusted)."""
+        self.decode_since = time.monotonic()
+        try:
+            self.ctx.decode(self.batch)
+        finally:
+            self.decode_since = 0.0
+            self.prefix.applied()
+        for e in plan.entries:
+            self.prefix.extend(e.slot, e.tokens)
+
+    def logits(self, plan: Plan) -> np.ndarray | None:
+        """The plan's logits rows, read once (the step's only synchronise); None when its rows
+        are sampled in the graph."""
+        if not plan.rows or self.backend_sampling:
+            return None
+        return self.ctx.logits(plan.n_logits, self.n_vocab)
+
+    def attach(self, slot: Slot) -> None:
+        """Sample the slot in the graph when its chain can be (backend sampling)."""
+        slot.on_backend = self.ctx.set_sampler(slot.seq_id, slot.sampler.ptr)
+
+    def detach(self, slot: Slot) -> None:
+        if slot.on_backend:
+            self.ctx.set_sampler(slot.seq_id, None)
+            slot.on_backend = False
+
+    def sampled_token(self, i: int) -> int:
+        return self.ctx.sampled_token(i)
+
+    def logits_row(self, i: int) -> np.ndarray:
+        return self.ctx.logits_row(i, self.n_vocab)
