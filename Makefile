@@ -29,7 +29,7 @@ FLAGS_ID := $(shell echo '$(CMAKE_FLAGS)' | md5sum | cut -c1-8)
 WHEEL_DIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)-$(FLAGS_ID)
 STAMP := $(VENV)/.installed-$(LLAMA_VARIANT)-$(FLAGS_ID)
 
-.PHONY: install wheel model model-synthetic serve test test-fast test-cluster lint bench bench-spec llama-server cluster-up cluster-down clean
+.PHONY: install wheel model model-synthetic serve test test-fast test-cluster lint bench bench-spec bench-prefix llama-server cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -106,6 +106,10 @@ lint: install
 # Speculative decoding on the real model: where it pays (bench/speculative.py, ~25 minutes)
 bench-spec: install model
 	$(PY) -m bench.speculative $(BENCH_ARGS)
+
+# Shared prefixes: 32 clients, a 1,000-token system prompt, against llama-server (bench/prefix.py)
+bench-prefix: install model-synthetic llama-server
+	LLAMA_SERVER_BIN=$(LLAMA_SERVER_DIR) $(PY) -m bench.prefix $(BENCH_ARGS)
 
 bench: install model-synthetic llama-server
 	LLAMA_SERVER_BIN=$(LLAMA_SERVER_DIR) $(PY) -m bench.run $(BENCH_ARGS)

@@ -28,6 +28,7 @@ class RequestTiming:
     t_first: float = 0.0
     t_last: float = 0.0
     n_tokens: int = 0
+    cached: int = 0  # prompt tokens the server reused (usage.prompt_tokens_details.cached_tokens)
     error: str = ""
 
 
@@ -49,6 +50,8 @@ class LoadResult:
             "tok_s": round(toks / self.wall_s, 2) if self.wall_s else 0.0,
             "tpot_ms": round(1000 * statistics.mean(tpots), 1) if tpots else None,
             "ttft_median_s": round(statistics.median(ttfts), 3) if ttfts else None,
+            "ttft_p99_s": round(statistics.quantiles(ttfts, n=100, method="inclusive")[98], 3) if len(ttfts) > 1 else None,
+            "cached_tokens": sum(t.cached for t in ok),
             "errors": self.errors,
             "requests": len(self.timings),
         }
@@ -130,6 +133,7 @@ async def _http_one(client, base: str, i: int, prompt: list[int], n_gen: int) ->
                     return t
                 if d.get("usage"):
                     usage_tokens = d["usage"]["completion_tokens"]
+                    t.cached = int((d["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                 if d.get("choices"):
                     t.t_first = t.t_first or now
                     t.t_last = now

@@ -53,9 +53,11 @@ class Cell:
     def n_prompt(self) -> int:
         return N_PROMPT + self.shared_prefix
 
+    share_prefix: bool = True  # pipeline-groups only: slots share prefixes (engine/prefix.py)
+
     @property
     def n_ctx(self) -> int:
-        per_slot = 256 if self.n_prompt + N_GEN <= 256 else 512
+        per_slot = max(256, 1 << (self.n_prompt + N_GEN - 1).bit_length())  # a power of two that holds it
         return SLOTS * per_slot
 
     @property
@@ -63,7 +65,7 @@ class Cell:
         if self.system == "llama-server":
             what = "llama-server, output " + ("local" if self.output_local else "on peer")
         else:
-            what = f"pipeline-groups, groups {self.groups}"
+            what = f"pipeline-groups, groups {self.groups}" + ("" if self.share_prefix else ", no prefix sharing")
         load = f"{self.clients} clients" + (f", {self.shared_prefix}-token shared prefix" if self.shared_prefix else "")
         return f"{what}, {'pinned' if self.pinned else 'unpinned'}, {load}"
 
@@ -97,7 +99,7 @@ def measure(base: str, c: Cell, ours: bool) -> dict:
     run_http(base, make_prompts(4, 8, seed=99), 4, 4)
     reps = []
     for rep in range(2):
-        m0 = _metric_sums(base) if ours else {}
+        m0 = _metric_sums(base)
         c0 = cpu.snapshot()
         res = _load(base, c, seed=rep)
         c1 = cpu.snapshot()
@@ -117,11 +119,15 @@ def measure(base: str, c: Cell, ours: bool) -> dict:
         else:
             stage += f["cpu_ms_per_token"].get("llama-server", 0.0)  # its host path included
         f["stage_cpu_ms_per_token"] = round(stage, 3)
+        # prompt tokens evaluated (not reused from a cache), as both servers count them
+        f["prompt_evaluated"] = int(_metric_sums(base).get("llamacpp:prompt_tokens_total", 0)
+                                    - m0.get("llamacpp:prompt_tokens_total", 0))
         reps.append(f)
         log.warning("%s, repetition %d: %s", c.name, rep + 1, f)
     return {**c.__dict__, "name": c.name, "reps": reps, "tok_s": reps[0]["tok_s"],
             "tok_s_rep2": reps[1]["tok_s"], "ttft_median_s": reps[0]["ttft_median_s"],
             "tpot_ms": reps[0]["tpot_ms"], "stage_cpu_ms_per_token": reps[0]["stage_cpu_ms_per_token"],
+            "ttft_p99_s": reps[0]["ttft_p99_s"], "prompt_evaluated": reps[0]["prompt_evaluated"],
             "errors": sum(r["errors"] for r in reps)}
 
 
@@ -141,6 +147,7 @@ def run_ours(stack, c: Cell) -> dict:  # noqa: ANN001 - bench.run.HttpStack
         "n_threads": 1, "devices": ["RPC0", "CPU"], "peer_layers": N_PEER,
         "n_batch": 512, "max_queued_requests": 4096, "local_cpus": LOCAL_CPUS if c.pinned else None,
         "rpc": {"port": 50174, "threads": 1, "cpus": PEER_CPUS if c.pinned else None},
+        "share_prefix": c.share_prefix,
     })
     return measure(stack.base, c, ours=True)
 

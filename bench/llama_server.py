@@ -47,7 +47,7 @@ class LlamaServer:
             split = ["-ngl", str(n_peer)]
         self.cmd = [*_taskset(local_cpus), str(b / "llama-server"), "-m", str(model), "--rpc", f"127.0.0.1:{rpc_port}",
                     *split, "-np", str(slots), "-c", str(n_ctx), "-t", "1", "--cache-ram", "0",
-                    "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+                    "--host", "127.0.0.1", "--port", str(port), "--no-webui", "--metrics"]
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.base = f"http://127.0.0.1:{port}"
 

@@ -36,15 +36,9 @@ def drain_and_shutdown(address: str, drain_s: float) -> None:
         except Exception as e:  # Serve is not running: nothing to drain
             log.info("no Serve instance to drain: %s", e)
             return
-        from deployments.router import known_replicas
+        from deployments.app import drain  # the application's own API for it
 
-        pending = []
-        for name, app in apps.items():
-            if "engine" in app.deployments:
-                handle = serve.get_deployment_handle("engine", app_name=name)
-                handle.info.remote().result(timeout_s=10)  # the router learns every replica (pair)
-                for replica in known_replicas("engine") or [None]:
-                    pending.append((name, handle.drain.remote(drain_s, replica=replica)))
+        pending = [(name, resp) for name in apps for resp in drain(name, drain_s)]
         for name, resp in pending:
             try:
                 cut = resp.result(timeout_s=drain_s + 15)

@@ -232,3 +232,19 @@ def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
     return Ingress.options(ray_actor_options=dict(actor_opts)).bind(
         engine, names, a.api_key, a.request_timeout_s, a.max_body_bytes, strict_request_fields=a.strict_request_fields
     )
+
+
+def drain(app_name: str, grace_s: float) -> list:
+    """Start draining every engine replica of a running application (a Ray driver calls this
+    before ``serve.shutdown``): each gets ``grace_s`` to finish its requests, then cuts the
+    rest. Returns the replicas' responses (``.result()`` gives ``{"cut": n}``); none when the
+    application has no engine deployment."""
+    from ray import serve
+
+    from deployments.router import known_replicas
+
+    if "engine" not in serve.status().applications[app_name].deployments:
+        return []
+    handle = serve.get_deployment_handle("engine", app_name=app_name)
+    handle.info.remote().result(timeout_s=10)  # the router learns every replica (pair)
+    return [handle.drain.remote(grace_s, replica=replica) for replica in known_replicas("engine") or [None]]

@@ -315,7 +315,8 @@ class PipelineGroup:
         prof.add("send", time.perf_counter() - t6)
         n_busy = len(self.active) + sum(1 for o in outs if o.finish_reason)
         prof.end_step(sum(len(t) for t in tokens), plan.n_tokens, n_busy,
-                      sum(len(s.cache_tokens) for s in self.slots), plan.n_ubatches)
+                      sum(len(s.cache_tokens) for s in self.slots), plan.n_ubatches,
+                      (self.prefix.n_copied, self.prefix.n_copies))
 
     def _drafts(self) -> dict[int, list[int]]:
         """This step's drafts (slot id -> tokens), when the group speculates this step."""

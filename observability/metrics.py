@@ -189,6 +189,7 @@ class _GroupCollector:
         dev = fam(GaugeMetricFamily, "group_device_busy_ratio", "Fraction of wall time since start the group spent in decode and synchronise.")
         drafted = fam(CounterMetricFamily, "group_spec_drafted_tokens", "Speculative decoding: draft tokens the group verified.")
         accepted = fam(CounterMetricFamily, "group_spec_accepted_tokens", "Speculative decoding: draft tokens the group accepted.")
+        copied = fam(CounterMetricFamily, "group_prefix_copied_tokens", "Prompt tokens the group copied from another slot's KV instead of evaluating them (shared prefixes).")
         rate = fam(GaugeMetricFamily, "group_spec_acceptance_ratio", "Speculative decoding: accepted over drafted tokens since start (0 before any draft).")
         for s in self.snaps:
             v = [self.model, self.replica, str(s.group)]
@@ -207,8 +208,9 @@ class _GroupCollector:
             dev.add_metric(v, min(1.0, (s.decode + s.sync) / self.wall))
             drafted.add_metric(v, s.drafted)
             accepted.add_metric(v, s.accepted)
+            copied.add_metric(v, s.prefix_copied)
             rate.add_metric(v, s.accepted / s.drafted if s.drafted else 0.0)
-        yield from (slots_busy, slots, kv, steps, rows, toks, ubs, dcpu, bps, phase, dev, drafted, accepted, rate)
+        yield from (slots_busy, slots, kv, steps, rows, toks, ubs, dcpu, bps, phase, dev, drafted, accepted, rate, copied)
 
 
 def merge_exposition(texts: list[bytes]) -> bytes:

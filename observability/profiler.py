@@ -28,6 +28,8 @@ class ProfileSnapshot:
     kv_total: int = 0
     drafted: int = 0  # speculative decoding: draft tokens verified
     accepted: int = 0  # ... and accepted
+    prefix_copied: int = 0  # prompt tokens whose KV was copied from another slot of the group
+    prefix_copies: int = 0
     wait: float = 0.0
     draft: float = 0.0
     batch: float = 0.0
@@ -86,7 +88,9 @@ class GroupProfiler:
         self._drafted += drafted
         self._accepted += accepted
 
-    def end_step(self, rows: int, tokens: int, busy_slots: int, kv_used: int, ubatches: int) -> None:
+    def end_step(self, rows: int, tokens: int, busy_slots: int, kv_used: int, ubatches: int,
+                 copied: tuple[int, int] = (0, 0)) -> None:
+        """``copied``: the group's prefix copies so far (tokens, copies)."""
         self._steps += 1
         self._ubatches += ubatches
         self._rows += rows
@@ -103,6 +107,8 @@ class GroupProfiler:
             kv_total=self.kv_total,
             drafted=self._drafted,
             accepted=self._accepted,
+            prefix_copied=copied[0],
+            prefix_copies=copied[1],
             **self._acc,
         )
         if self._log_enabled:

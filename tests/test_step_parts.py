@@ -1,0 +1,219 @@
+"""The parts of a step and the prefix cache as units: no model, no Ray, no native call.
+
+The planner is fed slots in the states a group's thread leaves them in; the prefix cache
+runs over a recording stand-in for the context, so what it asks llama.cpp to do (and in which
+order) is what is asserted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.params import SamplingParams
+from engine.planner import draft_requests, plan_step
+from engine.prefix import PrefixCache, group_prefixes, keep_prefix
+from engine.slots import Slot, SlotState, SlotView, choose_slot
+from engine.speculative import SpeculativeConfig
+from engine.types import Request
+
+PARAMS = SamplingParams(temperature=0, max_tokens=64)
+
+
+def busy(slot_id: int, seq: int, prompt: list[int], *, done: int = 0, state=SlotState.PROMPT,
+         cached: list[int] | None = None, last: int = -1) -> Slot:
+    s = Slot(id=slot_id, group=0, seq_id=seq, cache_tokens=list(cached if cached is not None else prompt[:done]))
+    s.req = Request(f"r{slot_id}", list(prompt), PARAMS, n_predict=64, slot_id=slot_id)
+    s.state, s.n_prompt_done, s.last_token = state, done, last
+    return s
+
+
+# ---- the planner ------------------------------------------------------------------------------
+
+
+def test_the_plan_puts_decode_rows_first_then_prompt_chunks_in_arrival_order_laid_out_by_sequence():
+    gen = busy(0, 2, [1, 2, 3], done=3, state=SlotState.GENERATING, last=9)
+    a = busy(1, 0, list(range(10, 20)))  # became busy first: its chunk is taken first
+    b = busy(2, 1, list(range(30, 40)))
+    plan = plan_step([a, gen, b], {}, capacity=8, n_ubatch=512, unified=False)
+    # the generating row takes one token; a gets 7, b nothing: capacity 8
+    assert [(e.seq_id, e.pos0, e.tokens, e.out) for e in plan.entries] == [
+        (0, 0, list(range(10, 17)), False), (2, 3, [9], True)]
+    assert plan.n_tokens == 8 and plan.n_logits == 1
+    (row,) = plan.rows
+    assert row.slot is gen and row.batch_idx == 7 and row.logits_idx == 0
+
+
+def test_a_last_prompt_chunk_gets_a_row_and_a_waiting_slot_gets_nothing():
+    a = busy(0, 0, [1, 2, 3, 4], done=2)
+    w = busy(1, 1, [1, 2, 3, 5])
+    w.leader, w.share = a, 3
+    plan = plan_step([a, w], {}, capacity=16, n_ubatch=512, unified=False)
+    assert [(e.slot.id, e.tokens, e.out) for e in plan.entries] == [(0, [3, 4], True)]
+    assert [(r.slot.id, r.batch_idx, r.logits_idx) for r in plan.rows] == [(0, 1, 0)]
+
+
+def test_drafts_take_rows_after_their_slot_and_count_in_the_logits():
+    g0 = busy(0, 0, [1, 2], done=2, state=SlotState.GENERATING, last=5)
+    g1 = busy(1, 1, [1, 2], done=2, state=SlotState.GENERATING, last=6)
+    plan = plan_step([g0, g1], {0: [7, 8, 9]}, capacity=16, n_ubatch=512, unified=False)
+    assert [(e.tokens, e.draft) for e in plan.entries] == [([5, 7, 8, 9], [7, 8, 9]), ([6], [])]
+    assert [(r.batch_idx, r.logits_idx, r.draft) for r in plan.rows] == [(0, 0, [7, 8, 9]), (4, 4, [])]
+    assert plan.n_logits == 5
+    # a draft is cut to what the batch holds
+    small = plan_step([g0, g1], {0: [7, 8, 9]}, capacity=3, n_ubatch=512, unified=False)
+    assert small.entries[0].draft == [7]
+
+
+def test_draft_requests_stop_before_n_predict_and_past_max_rows():
+    spec = SpeculativeConfig(type="ngram", n_max=8, n_min=2, max_rows=1)
+    g = busy(0, 0, [1, 2], done=2, state=SlotState.GENERATING, last=5)
+    g.n_generated = 60  # 64 - 60 - 1 = 3 left to draft
+    ((s, hist, limit),) = draft_requests([g], spec, n_ctx_slot=1024)
+    assert s is g and hist == [1, 2, 5] and limit == 3
+    assert draft_requests([g, busy(1, 1, [1], done=1, state=SlotState.GENERATING)], spec, 1024) == []
+
+
+# ---- the prefix cache over a recording context -------------------------------------------------
+
+
+class FakeContext:
+    """Sequences as llama.cpp keeps them (positions per sequence), every call recorded."""
+
+    def __init__(self, pos_min: dict[int, int] | None = None) -> None:
+        self.calls: list[tuple] = []
+        self.pos_min = pos_min or {}
+
+    def seq_rm(self, seq: int, p0: int, p1: int = -1) -> bool:
+        self.calls.append(("rm", seq, p0, p1))
+        return True
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        self.calls.append(("cp", src, dst, p0, p1))
+
+    def seq_pos_min(self, seq: int) -> int:
+        return self.pos_min.get(seq, 0)
+
+
+SYSTEM = list(range(100, 200))  # a 100-token shared prefix
+
+
+def cache(ctx=None, **kw) -> PrefixCache:
+    return PrefixCache(ctx or FakeContext(), **{"n_swa": 0, "unified": False, "shareable": True, "share_min": 32, **kw})
+
+
+def test_a_prefix_held_by_another_slot_beats_the_slots_own_shorter_one():
+    pc = cache()
+    mine = Slot(id=0, group=0, seq_id=0, cache_tokens=SYSTEM[:10] + [1])
+    other = Slot(id=1, group=0, seq_id=1, cache_tokens=SYSTEM + [7, 8])
+    prompt = SYSTEM + [9, 9]
+    r = pc.plan(mine, prompt, [mine, other], own=True, share=True)
+    assert (r.own, r.source, r.shared, r.ready) == (10, other, 100, True)
+    # without sharing (a recurrent model, or the config): only its own
+    assert cache(shareable=False).plan(mine, prompt, [mine, other], own=True, share=True).source is None
+    # a gain under share_min is not worth a copy
+    near = Slot(id=2, group=0, seq_id=2, cache_tokens=SYSTEM[:30])
+    assert pc.plan(mine, prompt, [mine, near], own=True, share=True).source is None
+
+
+def test_the_last_prompt_token_is_never_reused():
+    pc = cache()
+    mine = Slot(id=0, group=0, seq_id=0)
+    other = Slot(id=1, group=0, seq_id=1, cache_tokens=list(SYSTEM))
+    r = pc.plan(mine, list(SYSTEM), [mine, other], own=True, share=True)
+    assert r.shared == len(SYSTEM) - 1
+
+
+def test_a_prompt_on_its_way_in_another_slot_is_waited_for():
+    pc = cache()
+    mine = Slot(id=0, group=0, seq_id=0)
+    computing = busy(1, 1, SYSTEM + [5], done=20)
+    r = pc.plan(mine, SYSTEM + [6], [mine, computing], own=True, share=True)
+    assert (r.source, r.shared, r.ready) == (computing, 100, False)
+    mine.start(Request("w", SYSTEM + [6], PARAMS, 64), sampler=None, n_reused=0, leader=computing, share=r.shared)
+    assert mine.waiting and not pc.due(mine)
+    computing.cache_tokens.extend(SYSTEM[20:])  # the decode got there
+    assert pc.due(mine)
+    # a follower (of n > 1 or of a prefix) is nobody's source
+    third = Slot(id=2, group=0, seq_id=2)
+    assert pc.plan(third, SYSTEM + [7], [mine, third], own=True, share=True).source is None
+
+
+def test_a_window_that_dropped_the_prefix_positions_shares_nothing():
+    # sliding window of 64: the source's oldest position must be <= 100 - 64 for 100 tokens
+    far = cache(FakeContext({1: 60}), n_swa=64)
+    ok = cache(FakeContext({1: 36}), n_swa=64)
+    mine = Slot(id=0, group=0, seq_id=0)
+    other = Slot(id=1, group=0, seq_id=1, cache_tokens=SYSTEM + list(range(10)))
+    assert far.plan(mine, SYSTEM + [1], [mine, other], own=True, share=True).source is None
+    assert ok.plan(mine, SYSTEM + [1], [mine, other], own=True, share=True).source is other
+    assert keep_prefix(FakeContext({0: 60}), 64, 0, list(SYSTEM), 100) == 0
+
+
+def test_a_copy_between_streams_takes_the_whole_sequence_then_cuts_it():
+    ctx = FakeContext()
+    pc = cache(ctx)
+    src = Slot(id=1, group=0, seq_id=1, cache_tokens=SYSTEM + [7, 8])
+    dst = Slot(id=0, group=0, seq_id=0, cache_tokens=[1, 2, 3])
+    assert pc.copy(src, dst, 100)
+    # never a range across streams: llama.cpp aborts the process on one
+    assert ctx.calls == [("rm", 0, 0, -1), ("cp", 1, 0, -1, -1), ("rm", 0, 100, -1)]
+    assert dst.cache_tokens == SYSTEM and pc.n_copied == 100
+    assert pc.copying_from(src) and not pc.copying_from(dst)
+    # the destination goes idle before the next decode made the copy: it forgets its KV
+    pc.settle(dst)
+    assert dst.cache_tokens == [] and not pc.copying_from(src)
+    pc.copy(src, dst, 100)
+    pc.applied()
+    pc.settle(dst)
+    assert dst.cache_tokens == SYSTEM
+
+
+def test_a_copy_in_one_stream_shares_a_range_of_cells():
+    ctx = FakeContext()
+    pc = cache(ctx, unified=True)
+    src = Slot(id=1, group=0, seq_id=1, cache_tokens=SYSTEM + [7])
+    dst = Slot(id=0, group=0, seq_id=0)
+    assert pc.copy(src, dst, 100)
+    assert ctx.calls == [("rm", 0, 0, -1), ("cp", 1, 0, 0, 100)] and not pc.pending
+
+
+# ---- the slot's lifecycle ----------------------------------------------------------------------
+
+
+def test_finish_resets_a_slot_and_unlinks_who_waited_for_it():
+    leader = Slot(id=0, group=0, seq_id=0)
+    leader.start(Request("a", SYSTEM + [1], PARAMS, 64), sampler=None, n_reused=0)
+    w = Slot(id=1, group=0, seq_id=1)
+    w.start(Request("b", SYSTEM + [2], PARAMS, 64), sampler=None, n_reused=4, leader=leader, share=100)
+    assert leader.forks == [w] and w.state is SlotState.PROMPT
+    leader.finish()
+    assert leader.state is SlotState.IDLE and leader.req is None and leader.forks == []
+    # the waiter evaluates its prompt itself, from what it kept of its own
+    assert w.leader is None and w.share == 0 and w.n_prompt_done == 4
+    w.took(0)
+    with pytest.raises(AssertionError, match="busy"):
+        w.start(Request("c", [1], PARAMS, 64), sampler=None, n_reused=0)
+
+
+# ---- the scheduler's side ---------------------------------------------------------------------
+
+
+def view(i: int, group: int, seq: int, tokens: list[int]) -> SlotView:
+    return SlotView(i, group, seq, "idle", len(tokens), None, np.asarray(tokens, dtype=np.int32))
+
+
+def test_a_prefix_held_in_a_group_is_weighed_against_balance():
+    prompt = np.asarray(SYSTEM + [5], np.int32)
+    idle = [view(0, 0, 1, []), view(1, 1, 0, []), view(2, 1, 1, [])]
+    held = group_prefixes([(0, np.asarray(SYSTEM + [3], np.int32)), (1, np.asarray([1, 2], np.int32))], prompt)
+    assert held == {0: 100}
+    # group 0 holds the prefix (one slot busy computing it): it takes the request
+    assert choose_slot(idle, prompt, {}, 0.1, {0: {0}}, held, 32).group == 0
+    # busier by two: balance wins, and group 1 computes the prefix once for itself
+    assert choose_slot(idle, prompt, {}, 0.1, {0: {0, 2}}, held, 32).group == 1
+    # below min_shared a held prefix is not weighed
+    assert choose_slot(idle, prompt, {}, 0.1, {0: {0}}, held, 200).group == 1
+    # a slot's own cached prefix still wins over balance, as before
+    own = [view(0, 0, 1, SYSTEM + [3]), view(1, 1, 0, [])]
+    assert choose_slot(own, prompt, {}, 0.1, {0: {0, 2, 3}}, held, 32).id == 0
