@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine import SamplingParams
+from tests.conftest import RPC_PORT
 
 log = logging.getLogger(__name__)
 
@@ -91,3 +92,91 @@ def test_peer_layers_puts_exactly_that_many_layers_on_the_peer(make_engine, rpc_
 def test_peer_layers_refused_without_a_split(make_engine):
     with pytest.raises(ValueError, match="peer_layers needs"):
         make_engine(n_parallel=2, peer_layers=1)
+
+
+class CountingLink:
+    """A TCP forwarder in front of an RPC server that counts the bytes sent to it: the link."""
+
+    def __init__(self, target_port: int) -> None:
+        import socket
+        import threading
+
+        self.sent = 0
+        self._lsock = socket.create_server(("127.0.0.1", 0))
+        self.port = self._lsock.getsockname()[1]
+        self._target = target_port
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self._lsock.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self._target))
+            for a, b, count in ((client, server, True), (server, client, False)):
+                threading.Thread(target=self._pump, args=(a, b, count), daemon=True).start()
+
+    def _pump(self, a, b, count: bool) -> None:  # noqa: ANN001
+        try:
+            while data := a.recv(1 << 16):
+                if count:
+                    self.sent += len(data)
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (a, b):
+                try:
+                    sock.shutdown(2)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._lsock.close()
+
+
+def test_a_shared_prefix_is_copied_on_the_peer_not_over_the_link(make_engine):
+    """The copy of a prefix's KV on the peer is the RPC server's own: what crosses the link for
+    a request that copies 300 tokens' KV is what crosses for one that reuses its own cache,
+    give or take the copy commands, far under the KV it copies. Output as without sharing."""
+    from cluster import rpc_server
+    from engine.types import Request
+
+    port = RPC_PORT + 7
+    proc = rpc_server.launch("127.0.0.1", port, threads=1)
+    link = CountingLink(port)
+    system = [(7 * i + 3) % 4000 + 10 for i in range(300)]
+    one = SamplingParams(temperature=0, max_tokens=1)
+
+    def on(e, slot: int, tail: list[int]) -> tuple[int, object]:
+        r: Request = e.make_request(system + tail, one)
+        r.id_slot = slot
+        q = e.outputs.register(r.id)
+        before = link.sent
+        e.submit(r)
+        while (o := q.get(timeout=60)).finish_reason is None:
+            pass
+        return link.sent - before, o
+
+    e = None
+    try:
+        e = make_engine(n_parallel=4, n_ctx=4096, rpc_endpoints=[f"127.0.0.1:{link.port}"])
+        on(e, 0, [1, 2, 3, 4, 5])
+        copied, a = on(e, 1, [6, 7, 8, 9, 10])  # slot 1 takes slot 0's prefix
+        own, b = on(e, 1, [11, 12, 13, 14, 15])  # slot 1 reuses its own
+        assert a.cached_tokens == b.cached_tokens == len(system) and e.groups[0].prefix.n_copied == len(system)
+        # the prefix's f16 K and V in a single layer of the synthetic model (2 KV heads of 64)
+        one_layer_kv = len(system) * 2 * 128 * 2
+        assert own > 0 and copied - own < one_layer_kv / 4, (copied, own, one_layer_kv)
+        plain = make_engine(n_parallel=4, n_ctx=4096, share_prefix=False)
+        assert plain.generate(system + [6, 7, 8, 9, 10], one).text == a.text
+    finally:
+        if e is not None:
+            e.close()  # before its server goes: ggml aborts on a dead connection's buffers
+        link.close()
+        proc.kill()
+        proc.wait()
