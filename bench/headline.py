@@ -54,6 +54,7 @@ class Cell:
         return N_PROMPT + self.shared_prefix
 
     share_prefix: bool = True  # pipeline-groups only: slots share prefixes (engine/prefix.py)
+    topology: str = "layer_split"  # pipeline-groups only: or "replicas", one engine per node (half the slots each)
 
     @property
     def n_ctx(self) -> int:
@@ -64,6 +65,8 @@ class Cell:
     def name(self) -> str:
         if self.system == "llama-server":
             what = "llama-server, output " + ("local" if self.output_local else "on peer")
+        elif self.topology == "replicas":
+            what = "pipeline-groups, replicas (one per node, no split)"
         else:
             what = f"pipeline-groups, groups {self.groups}" + ("" if self.share_prefix else ", no prefix sharing")
         load = f"{self.clients} clients" + (f", {self.shared_prefix}-token shared prefix" if self.shared_prefix else "")
@@ -73,7 +76,9 @@ class Cell:
 def cells() -> list[Cell]:
     ls, pg = Cell("llama-server"), Cell("pipeline-groups")
     out = [replace(ls, output_local=False), ls, pg, replace(pg, groups=2)]
-    out += [replace(c, pinned=True) for c in (ls, pg, replace(pg, groups=2))]
+    rep = replace(pg, topology="replicas")
+    out += [rep]
+    out += [replace(c, pinned=True) for c in (ls, pg, replace(pg, groups=2), rep)]
     for n in (8, 16):
         part = {"clients": n, "requests_per_client": 4, "shared_prefix": PREFIX}
         out += [replace(ls, **part), replace(pg, **part), replace(pg, groups=2, **part)]
@@ -142,12 +147,15 @@ def run_llama_server(c: Cell) -> dict:
 
 
 def run_ours(stack, c: Cell) -> dict:  # noqa: ANN001 - bench.run.HttpStack
+    # replicas: the same slots and context in all, half on each node (its own whole model);
+    # pinned, the local node's replica on the local core, the peer node's on the peer's core
+    per_node = 2 if c.topology == "replicas" else 1
     stack.deploy({
-        "model": str(MODEL), "n_ctx": c.n_ctx, "n_parallel": SLOTS, "pipeline_groups": c.groups,
+        "model": str(MODEL), "n_ctx": c.n_ctx // per_node, "n_parallel": SLOTS // per_node, "pipeline_groups": c.groups,
         "n_threads": 1, "devices": ["RPC0", "CPU"], "peer_layers": N_PEER,
         "n_batch": 512, "max_queued_requests": 4096, "local_cpus": LOCAL_CPUS if c.pinned else None,
         "rpc": {"port": 50174, "threads": 1, "cpus": PEER_CPUS if c.pinned else None},
-        "share_prefix": c.share_prefix,
+        "share_prefix": c.share_prefix, "topology": c.topology,
     })
     return measure(stack.base, c, ours=True)
 

@@ -109,8 +109,9 @@ def headline_targets(results: list[dict]) -> list[tuple[str, str, str]]:
         ls = [r for r in results if r["system"] == "llama-server" and r["pinned"] == pinned and r["clients"] == clients]
         return max(ls, key=lambda r: r["tok_s"], default=None)
 
-    def ours(groups: int, pinned: bool = False, clients: int = 32) -> dict | None:
-        return _find(results, system="pipeline-groups", groups=groups, pinned=pinned, clients=clients)
+    def ours(groups: int, pinned: bool = False, clients: int = 32, topology: str = "layer_split") -> dict | None:
+        return _find(results, system="pipeline-groups", groups=groups, pinned=pinned, clients=clients,
+                     topology=topology, share_prefix=True)
 
     for pinned in (False, True):
         ls, g2 = best_ls(pinned), ours(2, pinned)
@@ -121,6 +122,13 @@ def headline_targets(results: list[dict]) -> list[tuple[str, str, str]]:
                         f"{g2['stage_cpu_ms_per_token'] / max(ls['stage_cpu_ms_per_token'], 1e-9):.2f}x", "<= 1.2x"))
             out.append((f"TTFT median, groups 2 / llama-server, {tag}",
                         f"{g2['ttft_median_s'] / max(ls['ttft_median_s'], 1e-9):.2f}x", "<= 1.0x"))
+    for pinned in (False, True):
+        ls, rp, g2 = best_ls(pinned), ours(1, pinned, topology="replicas"), ours(2, pinned)
+        tag = "pinned" if pinned else "unpinned"
+        if rp and ls:
+            out.append((f"replicas (2 nodes) / llama-server split, {tag}", f"{rp['tok_s'] / ls['tok_s']:.2f}x", "about 2x pinned"))
+        if rp and g2:
+            out.append((f"replicas / layer split with 2 groups, {tag}", f"{rp['tok_s'] / g2['tok_s']:.2f}x", "> 1x for a model that fits"))
     g1, g2 = ours(1), ours(2)
     if g1 and g2:
         out.append(("groups 2 / groups 1, 32 clients, unpinned", f"{g2['tok_s'] / g1['tok_s']:.2f}x", ">= 1.6x"))
@@ -168,14 +176,20 @@ def plot_headline(results: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(12, 5.5))
     color = {1: "tab:blue", 2: "tab:orange"}
+
+    def col(r: dict) -> str:
+        if r["system"] == "llama-server":
+            return "tab:gray"
+        return "tab:green" if r.get("topology") == "replicas" else color[r["groups"]]
+
     xs = range(len(results))
     ax.bar([x - 0.2 for x in xs], [r["tok_s"] for r in results], 0.4, label="repetition 1",
-           color=["tab:gray" if r["system"] == "llama-server" else color[r["groups"]] for r in results])
+           color=[col(r) for r in results])
     ax.bar([x + 0.2 for x in xs], [r["tok_s_rep2"] for r in results], 0.4, label="repetition 2", alpha=0.5,
-           color=["tab:gray" if r["system"] == "llama-server" else color[r["groups"]] for r in results])
+           color=[col(r) for r in results])
     ax.set_xticks(list(xs), [r["name"] for r in results], fontsize=7, rotation=60, ha="right")
     ax.set_ylabel("generated tokens/s")
-    ax.set_title("llama-server (gray), pipeline groups 1 (blue) and 2 (orange); light: second repetition")
+    ax.set_title("llama-server (gray), pipeline groups 1 (blue) and 2 (orange), replicas (green); light: second repetition")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

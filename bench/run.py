@@ -189,7 +189,7 @@ def http_cell(setup: Setup, stack: HttpStack, order: str, groups: int, pool: boo
         "model": str(setup.model), "n_ctx": setup.n_ctx(slots), "n_parallel": slots,
         "pipeline_groups": groups, "n_threads": 1, "devices": devices(order),
         "sample_threads": 4 if pool else 1, "n_batch": max(512, slots), "tensor_split": tensor_split,
-        "max_queued_requests": 4096, "rpc": {"port": HTTP_RPC_PORT, "threads": 1},
+        "max_queued_requests": 4096, "rpc": {"port": HTTP_RPC_PORT, "threads": 1}, "topology": "layer_split",
     })
     run_http(stack.base, make_prompts(groups, 4, seed=99), groups, 2)  # warm-up
     stack.scrape()  # opens the busy window

@@ -43,26 +43,31 @@ def _run(args: list[str], env: dict[str, str] | None = None) -> None:
     subprocess.run(args, check=True, env=env or dict(os.environ), stdout=subprocess.DEVNULL)
 
 
-def start(port: int = DEFAULT_PORT, head_cpus: int = 4, peer_cpus: int = 2, pairs: int = 1) -> str:
+def start(port: int = DEFAULT_PORT, head_cpus: int = 4, peer_cpus: int = 2, pairs: int = 1,
+          node_memory: int | None = None) -> str:
     """Start the head and the peer raylet (and a local and a peer raylet per further pair);
-    returns the cluster address."""
+    returns the cluster address. ``node_memory``: the memory each node states it has for a
+    model (the topology's choice, deployments/topology.py), instead of the machine's."""
+    from deployments.topology import MEMORY_RESOURCE
+
     ray = _ray_bin()
+    extra = {MEMORY_RESOURCE: node_memory >> 20} if node_memory else {}
     address = f"127.0.0.1:{port}"
     common = ["--disable-usage-stats", "--object-store-memory", str(300 * 1024 * 1024)]
     _run(
         [ray, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", f"--num-cpus={head_cpus}",
-         "--resources=" + json.dumps({"stage_local": 1}), "--include-dashboard=false", *common]
+         "--resources=" + json.dumps({"stage_local": 1, **extra}), "--include-dashboard=false", *common]
     )
     env = auth_env()
     _run(
         [ray, "start", f"--address={address}", "--node-ip-address=127.0.0.1", f"--num-cpus={peer_cpus}",
-         "--resources=" + json.dumps({"stage_peer": 1}), *common],
+         "--resources=" + json.dumps({"stage_peer": 1, **extra}), *common],
         env=env,
     )
     for _ in range(pairs - 1):
         for resource, cpus in (("stage_local", head_cpus // 2), ("stage_peer", peer_cpus)):
             _run([ray, "start", f"--address={address}", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}",
-                  "--resources=" + json.dumps({resource: 1}), *common], env=env)
+                  "--resources=" + json.dumps({resource: 1, **extra}), *common], env=env)
     os.environ.update({k: v for k, v in env.items() if k.startswith("RAY_AUTH")})
     _wait_nodes(address, 2 * pairs)
     return address
@@ -83,14 +88,15 @@ def _wait_nodes(address: str, n: int, timeout_s: float = 60.0) -> None:
 
 
 @contextlib.contextmanager
-def serve_session(port: int, http_port: int, head_cpus: int = 8, peer_cpus: int = 2, pairs: int = 1) -> Iterator[str]:
+def serve_session(port: int, http_port: int, head_cpus: int = 8, peer_cpus: int = 2, pairs: int = 1,
+                  node_memory: int | None = None) -> Iterator[str]:
     """The two-node cluster with this process as its driver and Serve's HTTP proxy on
     ``http_port`` (the tests and the benchmark); everything is stopped after."""
     import ray
     from ray import serve
 
     stop()
-    address = start(port=port, head_cpus=head_cpus, peer_cpus=peer_cpus, pairs=pairs)
+    address = start(port=port, head_cpus=head_cpus, peer_cpus=peer_cpus, pairs=pairs, node_memory=node_memory)
     ray.init(address=address, namespace="pipeline-groups", log_to_driver=False, logging_level=logging.WARNING)
     # one HTTP proxy, on the head: the nodes share this machine's address and the port
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port})

@@ -402,22 +402,22 @@ def wait_for_peer(timeout_s: float = 900) -> float:
     raise TimeoutError(f"the peer did not join in {timeout_s:.0f} s; the head's monitor log:\n{monitor}")
 
 
-def serve_config() -> Path:
+def serve_config(topology: str = "layer_split", model_name: str | None = None) -> Path:
     """``deployments/configs/two-sparks.yaml`` for this bed: the default model (CPU), small
     context and slots, one thread each, the HTTP proxy on the head's private address, and
-    llama.cpp's load log (layer placement) in the replicas' log files."""
+    llama.cpp's load log (layer placement) in the replicas' log files; in ``topology``."""
     cfg = yaml.safe_load(SERVE_TEMPLATE.read_text())
     cfg["http_options"]["host"] = HEAD.ip
     app = cfg["applications"][0]
     args = app["args"]
-    args.update(model=str(home() / "pipeline-groups" / "models" / MODEL.name), n_ctx=4096, n_parallel=4,
-                n_threads=1, chat_template="gemma")
+    args.update(model=str(home() / "pipeline-groups" / "models" / (model_name or MODEL.name)), n_ctx=4096,
+                n_parallel=4, n_threads=1, chat_template="gemma", topology=topology)
     args["rpc"].pop("devices", None)  # the peer's first GPU, else CPU
     args["rpc"]["threads"] = 1
     # Ray's worker setup hook, by its environment variable (Serve's runtime_env takes no
     # worker_process_setup_hook field)
     app["runtime_env"] = {"env_vars": {"__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR": "cluster.testbed.log_llama_placement"}}
-    path = HEAD.home / "pipeline-groups-testbed.yaml"
+    path = HEAD.home / f"pipeline-groups-testbed-{topology}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
@@ -438,21 +438,29 @@ def log_llama_placement() -> None:
     lg.addHandler(h)
 
 
-def serve_run() -> subprocess.Popen:
-    """``serve run`` of the bed's config on the head, in the background, as the README says."""
-    models = HEAD.home / "pipeline-groups" / "models"
+def put_model(node: Node, name: str | None = None) -> Path:
+    """The model file in the node's checkout (what the ray up config's file_mounts do on a
+    real pair), under ``name``."""
+    models = node.home / "pipeline-groups" / "models"
     models.mkdir(parents=True, exist_ok=True)
-    if not (models / MODEL.name).exists():
+    dst = models / (name or MODEL.name)
+    if not dst.exists():
         try:
-            os.link(MODEL, models / MODEL.name)
+            os.link(MODEL, dst)
         except OSError:
-            shutil.copy2(MODEL, models / MODEL.name)
-    cfg = serve_config()
+            shutil.copy2(MODEL, dst)
+    return dst
+
+
+def serve_run(topology: str = "layer_split", model_name: str | None = None, log: str = "serve-run.log") -> subprocess.Popen:
+    """``serve run`` of the bed's config on the head, in the background, as the README says."""
+    put_model(HEAD, model_name)
+    cfg = serve_config(topology, model_name)
     return popen_on(HEAD, f"cd ~/pipeline-groups && source .venv/bin/activate && {AUTH} && "
-                          f"exec serve run ~/{cfg.name}", STATE / "serve-run.log")
+                          f"exec serve run ~/{cfg.name}", STATE / log)
 
 
-def wait_healthy(timeout_s: float = 300, proc: subprocess.Popen | None = None) -> float:
+def wait_healthy(timeout_s: float = 300, proc: subprocess.Popen | None = None, log: str = "serve-run.log") -> float:
     t0 = time.monotonic()
     url = f"http://{HEAD.ip}:{HTTP_PORT}/health"
     while time.monotonic() - t0 < timeout_s:
@@ -460,9 +468,9 @@ def wait_healthy(timeout_s: float = 300, proc: subprocess.Popen | None = None) -
         if r.stdout.strip() == "200":
             return time.monotonic() - t0
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError("serve run exited:\n" + _tail(STATE / "serve-run.log"))
+            raise RuntimeError("serve run exited:\n" + _tail(STATE / log))
         time.sleep(2)
-    raise TimeoutError(f"no healthy answer from {url} in {timeout_s:.0f} s:\n" + _tail(STATE / "serve-run.log"))
+    raise TimeoutError(f"no healthy answer from {url} in {timeout_s:.0f} s:\n" + _tail(STATE / log))
 
 
 def ray_down() -> float:

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deployments.topology import Choice, Topology, choose, missing_model, model_needs, probe
 from engine.config import EngineConfig
 from engine.models import DEFAULT_MODEL, ensure_default_model
 
@@ -120,6 +121,14 @@ class AppArgs(EngineConfig):
         description="Engine replicas: with rpc.per_replica, pairs of nodes. A Serve config's "
         "deployments entry for 'engine' (num_replicas, autoscaling_config) overrides it.",
     )
+    topology: Topology = Field(
+        default="auto",
+        description="replicas: one engine per node (those with a stage_local or stage_peer resource, else "
+        "every node), each with the whole model, no RPC stage; layer_split: the engine as configured "
+        "(with rpc, its first layers on the RPC stage; pairs with rpc.per_replica); auto: replicas when "
+        "the cluster has two or more nodes and the model (weights + KV of n_ctx) fits each with 20 % "
+        "to spare, else layer_split. The choice and its reason are in the log, /props and /metrics.",
+    )
     placement: bool = Field(
         default=True,
         description="Place the engine on the node with the 'stage_local' resource and the RPC stage "
@@ -190,6 +199,19 @@ def _http_host() -> str | None:
         return None
 
 
+def plan_topology(a: AppArgs) -> Choice:
+    """The application's shape on the running cluster (deployments/topology.py); replicas are
+    refused when a node that would load the model lacks its file."""
+    split = a.rpc is not None and a.rpc.enabled
+    if a.topology == "layer_split":
+        return Choice("layer_split", "configured", 0, 0, 0)
+    nodes = probe(a.model, (LOCAL_RESOURCE, PEER_RESOURCE), fetch_default=a.model == str(DEFAULT_MODEL))
+    choice = choose(a.topology, model_needs(a.model, a.n_ctx), nodes, split)
+    if choice.topology == "replicas" and (refusal := missing_model(nodes, a.model)):
+        raise ValueError(refusal)
+    return choice
+
+
 def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
     from deployments.engine_deployment import EngineDeployment
     from deployments.ingress import Ingress
@@ -197,6 +219,33 @@ def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
     a = AppArgs.model_validate(args or {})
     check_exposure(_http_host(), a)
     _ensure_model(a.model)
+    topo = plan_topology(a)
+    log.warning("topology %s: %s", topo.topology, topo.reason)
+    replicas = topo.topology == "replicas"
+    if replicas:
+        # each node serves the whole model on its own device; the node with the peer stage's
+        # resource uses the cores set aside for the stage (rpc.cpus)
+        engine = EngineDeployment.options(
+            ray_actor_options={"num_cpus": 0}, num_replicas=topo.nodes, max_replicas_per_node=1,
+        ).bind(a.engine_config([]).model_dump(), topology=topo.as_dict(),
+               peer_cpus=a.rpc.cpus if a.rpc is not None else None)
+    else:
+        engine = _split_engine(a, topo)
+    actor_opts: dict[str, Any] = {"num_cpus": 0}
+    if a.placement and _has_resource(LOCAL_RESOURCE):
+        actor_opts["resources"] = {LOCAL_RESOURCE: 0.01}
+    names = [a.model_alias or Path(a.model).name]
+    if a.model_alias:
+        names.append(Path(a.model).name)
+    return Ingress.options(ray_actor_options=actor_opts).bind(
+        engine, names, a.api_key, a.request_timeout_s, a.max_body_bytes, strict_request_fields=a.strict_request_fields
+    )
+
+
+def _split_engine(a: AppArgs, topo: Choice):  # noqa: ANN202 - a bound deployment
+    """The engine as configured: with an RPC stage (one, or one per replica: pairs) or alone."""
+    from deployments.engine_deployment import EngineDeployment
+
     endpoints: list[str] = []
     pairs = a.rpc is not None and a.rpc.enabled and a.rpc.per_replica
     if a.rpc is not None and a.rpc.enabled:
@@ -211,26 +260,19 @@ def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
     cfg = a.engine_config([*endpoints, *(["127.0.0.1:1"] if pairs else [])])
     if pairs:
         cfg = cfg.model_copy(update={"rpc_endpoints": list(a.rpc_endpoints)})
-    actor_opts: dict[str, Any] = {"num_cpus": 0}
     engine_opts: dict[str, Any] = {}
     if pairs and a.placement and _has_resource(LOCAL_RESOURCE) and _has_resource(PEER_RESOURCE):
         # one placement group per replica: the engine on a local node, its stage on a peer node
         engine_opts = {"placement_group_bundles": [{LOCAL_RESOURCE: 1}, {PEER_RESOURCE: 1}],
                        "placement_group_strategy": "STRICT_SPREAD"}
-        engine_actor = {"num_cpus": 0, "resources": {LOCAL_RESOURCE: 1}}
+        engine_actor: dict[str, Any] = {"num_cpus": 0, "resources": {LOCAL_RESOURCE: 1}}
     else:
+        engine_actor = {"num_cpus": 0}
         if a.placement and _has_resource(LOCAL_RESOURCE):
-            actor_opts["resources"] = {LOCAL_RESOURCE: 0.01}
-        engine_actor = dict(actor_opts)
-    engine = EngineDeployment.options(ray_actor_options=engine_actor, num_replicas=a.replicas, **engine_opts).bind(
+            engine_actor["resources"] = {LOCAL_RESOURCE: 0.01}
+    return EngineDeployment.options(ray_actor_options=engine_actor, num_replicas=a.replicas, **engine_opts).bind(
         cfg.model_dump(), stage_timeout_s=a.stage_timeout_s,
-        pair_stage=a.rpc.model_dump() if pairs else None,
-    )
-    names = [a.model_alias or Path(a.model).name]
-    if a.model_alias:
-        names.append(Path(a.model).name)
-    return Ingress.options(ray_actor_options=dict(actor_opts)).bind(
-        engine, names, a.api_key, a.request_timeout_s, a.max_body_bytes, strict_request_fields=a.strict_request_fields
+        pair_stage=a.rpc.model_dump() if pairs else None, topology=topo.as_dict(),
     )
 
 

@@ -70,6 +70,14 @@ def wait_for_endpoint(endpoint: str, timeout_s: float) -> None:
             time.sleep(0.5)
 
 
+def _on_peer_node() -> bool:
+    """Whether this replica runs on a node with the peer stage's resource."""
+    from deployments.app import PEER_RESOURCE
+
+    me = ray.get_runtime_context().get_node_id()
+    return any(n["NodeID"] == me and PEER_RESOURCE in n.get("Resources", {}) for n in ray.nodes())
+
+
 NOT_CONNECTED = "this engine replica has no output stream from the ingress (it restarted); retry the request"
 
 
@@ -113,8 +121,11 @@ _CLOSE = object()  # ends an output stream
 )
 class EngineDeployment:
     async def __init__(self, config: dict[str, Any], stage_wait_s: float = 300.0,
-                       stage_timeout_s: float | None = 60.0, pair_stage: dict[str, Any] | None = None) -> None:
-        """``pair_stage`` (the app's ``rpc`` settings): this replica starts its own stage."""
+                       stage_timeout_s: float | None = 60.0, pair_stage: dict[str, Any] | None = None,
+                       topology: dict[str, Any] | None = None, peer_cpus: list[int] | None = None) -> None:
+        """``pair_stage`` (the app's ``rpc`` settings): this replica starts its own stage.
+        ``topology``: the application's shape and why (deployments/topology.py). ``peer_cpus``
+        (replicas): the cores of a peer node's replica, where the stage would have run."""
         for name in ("engine", "deployments", "observability"):
             logging.getLogger(name).setLevel(logging.INFO)
         self._replica = _replica_tag()
@@ -126,6 +137,9 @@ class EngineDeployment:
             self._stage, endpoint = await asyncio.to_thread(
                 start_pair_stage, RpcArgs.model_validate(pair_stage), self._replica, PEER_RESOURCE)
             config = {**config, "rpc_endpoints": [*config.get("rpc_endpoints", []), endpoint]}
+        self.topology = topology or {"topology": "layer_split", "reason": "configured"}
+        if peer_cpus and _on_peer_node():
+            config = {**config, "local_cpus": peer_cpus}
         self.config = EngineConfig.model_validate(config)
         self.loop = asyncio.get_running_loop()
         self._owner: dict[str, _Conn] = {}  # request id -> the stream its outputs go to
@@ -138,6 +152,7 @@ class EngineDeployment:
         self.model_name = self.engine.model_name
         self.metrics = EngineMetrics(self.model_name, self._replica)
         self.metrics.set_stage_up(True)
+        self.metrics.set_topology(self.topology["topology"])
         self._last_busy: tuple[float, float, float | None] | None = None
         self.stage_timeout_s = stage_timeout_s if self.config.rpc_endpoints else None
         self._watchdog = self.loop.create_task(self._watch()) if self.stage_timeout_s else None
@@ -392,6 +407,7 @@ class EngineDeployment:
             "eos_token": tok.eos_text,
             "modalities": {"vision": False, "audio": False},
             "devices": self.engine.devices,
+            "topology": self.topology,
         }
 
     async def drain(self, grace_s: float, replica: str | None = None) -> dict:
@@ -447,6 +463,8 @@ class EngineDeployment:
             "speculative": self.config.speculative.model_dump() if self.config.speculative else None,
             "healthy": self.engine.healthy and self._failed is None,
             "replica": self._replica,
+            "topology": self.topology["topology"],
+            "pid": os.getpid(),
         }
 
     async def slots(self, replica: str | None = None) -> list[dict]:

@@ -50,6 +50,8 @@ class EngineMetrics:
         self.running = Gauge(P + "num_requests_running", "Requests holding a slot.", base, registry=r)
         self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting for a slot.", base, registry=r)
         self.stage_busy = Gauge(P + "stage_busy_ratio", "Fraction of the stage's compute capacity in use since the last scrape (CPU time over wall time and threads).", [*base, "stage"], registry=r)
+        self.topology = Gauge(P + "topology", "1 on the topology the application runs in: replicas, layer_split or single.",
+                              [*base, "topology"], registry=r)
         self.stage_up = Gauge(P + "rpc_stage_up", "1 while the engine is connected to its RPC stage (or has none).", base, registry=r)
         self.stage_rss = Gauge(P + "stage_resident_memory_bytes", "Resident memory of a stage's process (engine or RPC server).", [*base, "stage"], registry=r)
         self._groups = _GroupCollector(model, replica)
@@ -93,6 +95,10 @@ class EngineMetrics:
 
     def set_stage_rss(self, stage: str, rss: int) -> None:
         self.stage_rss.labels(**self._b, stage=stage).set(rss)
+
+    def set_topology(self, topology: str) -> None:
+        """The application's shape (deployments/topology.py): 1 on its label."""
+        self.topology.labels(**self._b, topology=topology).set(1)
 
     def set_stage_up(self, up: bool) -> None:
         self.stage_up.labels(**self._b).set(1 if up else 0)

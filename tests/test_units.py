@@ -192,7 +192,7 @@ def test_app_args_are_the_engine_config_plus_the_deployments_keys(monkeypatch):
     assert cfg.n_parallel == EngineConfig(model="m").n_parallel
     assert set(AppArgs.model_fields) - set(EngineConfig.model_fields) == {
         "rpc", "api_key", "request_timeout_s", "max_body_bytes", "stage_timeout_s", "placement", "replicas",
-        "allow_unauthenticated", "strict_request_fields"}
+        "allow_unauthenticated", "strict_request_fields", "topology"}
 
 
 def test_token_logprobs_are_a_log_softmax_with_the_top_alternatives():

@@ -8,6 +8,7 @@ last one is ``ray down``."""
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import signal
@@ -185,13 +186,61 @@ def test_killing_the_peer_stage_recovers(bed):
     assert [a for a, _ in listeners(tb.PEER, tb.RPC_PORT)] == [f"{tb.PEER.ip}:{tb.RPC_PORT}"]
 
 
-def test_ray_down_stops_both_nodes(bed):
-    os.killpg(bed.pid, signal.SIGINT)  # Ctrl-C to `serve run`: it shuts the app down
+SERVING: dict[str, subprocess.Popen] = {}  # the `serve run` now running, when a test replaced the bed's
+
+
+def stop_serving(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C to `serve run`: it shuts the app down
     try:
-        bed.wait(90)
+        proc.wait(90)
     except subprocess.TimeoutExpired:
-        os.killpg(bed.pid, signal.SIGKILL)
-        bed.wait(10)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def answered_by(n: int) -> list[str]:
+    """The engine replicas that answered ``n`` completions sent from the head."""
+    code = (
+        "import httpx, json\n"
+        f"reps = [httpx.post('http://{tb.HEAD.ip}:{tb.HTTP_PORT}/v1/completions', json={{'prompt': f'Question {{i}}: "
+        f"what is {{i}} times {{i}}?', 'max_tokens': 4}}, timeout=60).headers['x-engine-replica'] for i in range({n})]\n"
+        f"props = httpx.get('http://{tb.HEAD.ip}:{tb.HTTP_PORT}/props', timeout=10).json()\n"
+        f"print({tb.MARK!r} + json.dumps({{'replicas': reps, 'topology': props['topology']}}))\n"
+    )
+    return tb.printed_json(tb.head_python(code, timeout=300).stdout)
+
+
+def test_replicas_are_refused_while_the_peer_lacks_the_model(bed):
+    stop_serving(bed)
+    proc = tb.serve_run("replicas", model_name="copy-on-the-head-only.gguf", log="serve-run-refused.log")
+    try:
+        proc.wait(240)
+    except subprocess.TimeoutExpired:
+        stop_serving(proc)
+        pytest.fail("serve run of a model the peer lacks did not stop")
+    log = (tb.STATE / "serve-run-refused.log").read_text(errors="replace")
+    assert proc.returncode != 0 and f"node(s) {tb.PEER.ip} lack the model file" in log, log[-3000:]
+    assert "copy-on-the-head-only.gguf" in log
+
+
+def test_serve_run_in_the_replicas_topology_answers_from_both_nodes(bed):
+    tb.put_model(tb.PEER)  # what the ray up config's file_mounts do on a real pair
+    t0 = time.monotonic()
+    proc = tb.serve_run("replicas", log="serve-run-replicas.log")
+    SERVING["proc"] = proc
+    tb.wait_healthy(proc=proc, log="serve-run-replicas.log")
+    got = answered_by(16)
+    assert got["topology"]["topology"] == "replicas", got
+    assert len(set(got["replicas"])) == 2, got  # one engine per node, both answer
+    assert not rpc_server_pids(), "replicas run no RPC stage"
+    FIGURES["replicas_serve_run_healthy_s"] = round(time.monotonic() - t0, 1)
+    FIGURES["replicas_answered_by"] = dict(collections.Counter(got["replicas"]))
+
+
+def test_ray_down_stops_both_nodes(bed):
+    stop_serving(SERVING.get("proc", bed))
     FIGURES["ray_down_s"] = round(tb.ray_down(), 1)
     deadline = time.monotonic() + 30
     left: dict[str, list[int]] = {}

@@ -13,6 +13,7 @@ import pytest
 HTTP_PORT = int(os.environ.get("PGROUPS_TEST_HTTP_PORT", "8765"))
 RAY_PORT = int(os.environ.get("PGROUPS_TEST_RAY_PORT", "6391"))
 BASE = f"http://127.0.0.1:{HTTP_PORT}"
+NODE_MEMORY = 100 << 20
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -25,8 +26,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def ray_cluster(model_path: str) -> Iterator[str]:
     from cluster import local_cluster
 
-    # four raylets: room for two pairs (tests/e2e/test_pairs.py); one-stage apps use two of them
-    with local_cluster.serve_session(RAY_PORT, HTTP_PORT, pairs=2) as address:
+    # four raylets: room for two pairs (tests/e2e/test_pairs.py); one-stage apps use two of them.
+    # Each states NODE_MEMORY for a model, so that the topology's choice depends on the config
+    # (tests/e2e/test_topology.py), not on this machine
+    with local_cluster.serve_session(RAY_PORT, HTTP_PORT, pairs=2, node_memory=NODE_MEMORY) as address:
         yield address
 
 
@@ -53,7 +56,8 @@ def deploy(ray_cluster: str, model_path: str) -> Callable[[dict], str]:
     current: dict = {}
 
     def _deploy(args: dict) -> str:
-        args = {"model": model_path, **args}
+        # the tests' apps are the engine as configured unless they name a topology
+        args = {"model": model_path, "topology": "layer_split", **args}
         if current.get("args") != args:
             if current:
                 # the RPC stage serves one engine at a time: the old one must let go first
