@@ -55,6 +55,7 @@ class Cell:
 
     share_prefix: bool = True  # pipeline-groups only: slots share prefixes (engine/prefix.py)
     topology: str = "layer_split"  # pipeline-groups only: or "replicas", one engine per node (half the slots each)
+    flash_attn: str = "auto"  # llama-server only: its -fa setting
 
     @property
     def n_ctx(self) -> int:
@@ -64,7 +65,7 @@ class Cell:
     @property
     def name(self) -> str:
         if self.system == "llama-server":
-            what = "llama-server, output " + ("local" if self.output_local else "on peer")
+            what = "llama-server, output " + ("local" if self.output_local else "on peer") + f", -fa {self.flash_attn}"
         elif self.topology == "replicas":
             what = "pipeline-groups, replicas (one per node, no split)"
         else:
@@ -74,11 +75,14 @@ class Cell:
 
 
 def cells() -> list[Cell]:
+    """llama-server at its best: both layer orders and every flash-attention setting (pinned:
+    the project's order, every setting); this project with 1 and 2 groups and as replicas."""
     ls, pg = Cell("llama-server"), Cell("pipeline-groups")
-    out = [replace(ls, output_local=False), ls, pg, replace(pg, groups=2)]
+    refs = [replace(ls, output_local=local, flash_attn=fa) for local in (False, True) for fa in ("auto", "on", "off")]
     rep = replace(pg, topology="replicas")
-    out += [rep]
-    out += [replace(c, pinned=True) for c in (ls, pg, replace(pg, groups=2), rep)]
+    out = [*refs, pg, replace(pg, groups=2), rep]
+    out += [replace(ls, pinned=True, flash_attn=fa) for fa in ("auto", "on", "off")]
+    out += [replace(c, pinned=True) for c in (pg, replace(pg, groups=2), rep)]
     for n in (8, 16):
         part = {"clients": n, "requests_per_client": 4, "shared_prefix": PREFIX}
         out += [replace(ls, **part), replace(pg, **part), replace(pg, groups=2, **part)]
@@ -138,6 +142,7 @@ def measure(base: str, c: Cell, ours: bool) -> dict:
 
 def run_llama_server(c: Cell) -> dict:
     srv = LlamaServer(MODEL, n_layer=SHAPE.n_layer, n_peer=N_PEER, output_local=c.output_local, slots=SLOTS,
+                      flash_attn=c.flash_attn,
                       n_ctx=c.n_ctx, port=LS_PORT, rpc_port=LS_RPC_PORT,
                       peer_cpus=PEER_CPUS if c.pinned else None, local_cpus=LOCAL_CPUS if c.pinned else None)
     try:
@@ -175,7 +180,7 @@ def main(out: Path, only: str | None = None) -> list[dict]:
             results += [run_ours(stack, c) for c in ours]
         finally:
             stack.close()
-    meta = {"machine": f"{os.cpu_count()} cores, {os.uname().machine}", "model": MODEL.name,
+    meta = {"machine": f"{os.cpu_count()} cores, {os.uname().machine}", "cpu": cpu.describe(), "model": MODEL.name,
             "shape": SHAPE.__dict__, "split": f"{N_PEER} layers on the peer, {SHAPE.n_layer - N_PEER} and the output local",
             "n_prompt": N_PROMPT, "n_gen": N_GEN, "slots": SLOTS, "wall_s": round(time.monotonic() - t0, 1),
             "command": "make bench" + (f" BENCH_ARGS='--only \"{only}\"'" if only else "")}

@@ -34,7 +34,7 @@ def _taskset(cpus: list[int] | None) -> list[str]:
 class LlamaServer:
     def __init__(self, model: Path, *, n_layer: int, n_peer: int, output_local: bool, slots: int, n_ctx: int,
                  port: int, rpc_port: int, peer_cpus: list[int] | None = None,
-                 local_cpus: list[int] | None = None) -> None:
+                 local_cpus: list[int] | None = None, flash_attn: str = "auto") -> None:
         b = bin_dir()
         self.rpc = subprocess.Popen(
             [*_taskset(peer_cpus), str(b / "rpc-server"), "--host", "127.0.0.1", "--port", str(rpc_port), "-t", "1"],
@@ -47,7 +47,7 @@ class LlamaServer:
             split = ["-ngl", str(n_peer)]
         self.cmd = [*_taskset(local_cpus), str(b / "llama-server"), "-m", str(model), "--rpc", f"127.0.0.1:{rpc_port}",
                     *split, "-np", str(slots), "-c", str(n_ctx), "-t", "1", "--cache-ram", "0",
-                    "--host", "127.0.0.1", "--port", str(port), "--no-webui", "--metrics"]
+                    "--host", "127.0.0.1", "--port", str(port), "--no-webui", "--metrics", "-fa", flash_attn]
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.base = f"http://127.0.0.1:{port}"
 

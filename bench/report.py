@@ -102,6 +102,14 @@ def write_reports(results: list[dict], meta: dict, out: Path, stem: str = "sweep
 # ---- the headline (bench/headline.py) ----------------------------------------------------------
 
 
+def outside_stages(r: dict) -> float:
+    """CPU milliseconds per generated token of everything but the two stages' compute and the
+    load client: the path around the stages (proxy, ingress, Ray, the engine's host work)."""
+    cpu = r["reps"][0]["cpu_ms_per_token"]
+    total = sum(v for k, v in cpu.items() if k not in ("rpc stage", "load client", "local stage (in engine replica)"))
+    return total - cpu.get("local stage (in engine replica)", 0.0)
+
+
 def headline_targets(results: list[dict]) -> list[tuple[str, str, str]]:
     out: list[tuple[str, str, str]] = []
 
@@ -114,24 +122,25 @@ def headline_targets(results: list[dict]) -> list[tuple[str, str, str]]:
                      topology=topology, share_prefix=True)
 
     for pinned in (False, True):
-        ls, g2 = best_ls(pinned), ours(2, pinned)
+        ls, g1, g2 = best_ls(pinned), ours(1, pinned), ours(2, pinned)
         tag = "pinned" if pinned else "unpinned"
+        if ls and g1:
+            out.append((f"groups 1 / llama-server's best, 32 clients, {tag}", f"{g1['tok_s'] / ls['tok_s']:.2f}x", ">= 1.0x"))
         if ls and g2:
-            out.append((f"groups 2 / llama-server, 32 clients, {tag}", f"{g2['tok_s'] / ls['tok_s']:.2f}x", ">= 1.3x"))
-            out.append((f"stage CPU per token, groups 2 / llama-server, {tag}",
-                        f"{g2['stage_cpu_ms_per_token'] / max(ls['stage_cpu_ms_per_token'], 1e-9):.2f}x", "<= 1.2x"))
-            out.append((f"TTFT median, groups 2 / llama-server, {tag}",
+            out.append((f"groups 2 / llama-server's best, 32 clients, {tag}", f"{g2['tok_s'] / ls['tok_s']:.2f}x", ">= 1.5x"))
+            out.append((f"TTFT median, groups 2 / llama-server's best, {tag}",
                         f"{g2['ttft_median_s'] / max(ls['ttft_median_s'], 1e-9):.2f}x", "<= 1.0x"))
-    for pinned in (False, True):
-        ls, rp, g2 = best_ls(pinned), ours(1, pinned, topology="replicas"), ours(2, pinned)
-        tag = "pinned" if pinned else "unpinned"
+        if g1 and g2:
+            out.append((f"groups 2 / groups 1, 32 clients, {tag}", f"{g2['tok_s'] / g1['tok_s']:.2f}x", ">= 1.6x"))
+        if g2:
+            out.append((f"CPU ms per token outside the two stages, groups 2, {tag}", f"{outside_stages(g2):.2f}", "< 1"))
+        rp = ours(1, pinned, topology="replicas")
         if rp and ls:
-            out.append((f"replicas (2 nodes) / llama-server split, {tag}", f"{rp['tok_s'] / ls['tok_s']:.2f}x", "about 2x pinned"))
+            out.append((f"replicas (2 nodes) / llama-server's best split, {tag}", f"{rp['tok_s'] / ls['tok_s']:.2f}x",
+                        "about 2x pinned"))
         if rp and g2:
-            out.append((f"replicas / layer split with 2 groups, {tag}", f"{rp['tok_s'] / g2['tok_s']:.2f}x", "> 1x for a model that fits"))
-    g1, g2 = ours(1), ours(2)
-    if g1 and g2:
-        out.append(("groups 2 / groups 1, 32 clients, unpinned", f"{g2['tok_s'] / g1['tok_s']:.2f}x", ">= 1.6x"))
+            out.append((f"replicas / layer split with 2 groups, {tag}", f"{rp['tok_s'] / g2['tok_s']:.2f}x",
+                        "> 1x for a model that fits"))
     p1, p2 = ours(1, clients=8), ours(2, clients=8)
     if p1 and p2:
         out.append(("groups 2 / groups 1, 8 clients on 32 slots, shared prefix", f"{p2['tok_s'] / p1['tok_s']:.2f}x",
@@ -162,7 +171,7 @@ def headline_markdown(results: list[dict], meta: dict) -> str:
                   "|---|" + "---|" * len(full)]
         for role in roles:
             lines.append(f"| {role} | " + " | ".join(str(r["reps"][0]["cpu_ms_per_token"].get(role, "")) for r in full) + " |")
-    lines += ["", f"Machine: {meta['machine']}; model {meta['model']} ({meta['split']}); prompts {meta['n_prompt']} "
+    lines += ["", f"Machine: {meta['machine']}; CPU: {meta.get('cpu', '?')}; model {meta['model']} ({meta['split']}); prompts {meta['n_prompt']} "
               f"tokens (+ the shared prefix), {meta['n_gen']} generated, {meta['slots']} slots; "
               f"`{meta['command']}` took {meta['wall_s']} s."]
     return "\n".join(lines)

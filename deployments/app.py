@@ -137,10 +137,20 @@ class AppArgs(EngineConfig):
 
     @model_validator(mode="after")
     def _one_stage_one_engine(self) -> AppArgs:
-        if self.replicas > 1 and self.rpc is not None and self.rpc.enabled and not self.rpc.per_replica:
+        if self.replicas > 1 and self.split and not self.rpc.per_replica:
             raise ValueError("replicas > 1 with one RPC stage: a ggml RPC server serves one engine at a time; "
                              "set rpc.per_replica: true (a stage per engine replica, i.e. pairs)")
         return self
+
+    @property
+    def split(self) -> bool:
+        """Whether the config has an RPC stage to split the layers over."""
+        return self.rpc is not None and self.rpc.enabled
+
+    @property
+    def pairs(self) -> bool:
+        """Whether every engine replica starts its own stage (``rpc.per_replica``)."""
+        return self.split and self.rpc.per_replica
 
     def engine_config(self, stage_endpoints: list[str]) -> EngineConfig:
         """The engine's part, with the started stage's endpoint after any given ones."""
@@ -202,11 +212,10 @@ def _http_host() -> str | None:
 def plan_topology(a: AppArgs) -> Choice:
     """The application's shape on the running cluster (deployments/topology.py); replicas are
     refused when a node that would load the model lacks its file."""
-    split = a.rpc is not None and a.rpc.enabled
     if a.topology == "layer_split":
         return Choice("layer_split", "configured", 0, 0, 0)
     nodes = probe(a.model, (LOCAL_RESOURCE, PEER_RESOURCE), fetch_default=a.model == str(DEFAULT_MODEL))
-    choice = choose(a.topology, model_needs(a.model, a.n_ctx), nodes, split)
+    choice = choose(a.topology, model_needs(a.model, a.n_ctx), nodes, a.split)
     if choice.topology == "replicas" and (refusal := missing_model(nodes, a.model)):
         raise ValueError(refusal)
     return choice
@@ -231,13 +240,16 @@ def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
                peer_cpus=a.rpc.cpus if a.rpc is not None else None)
     else:
         engine = _split_engine(a, topo)
-    actor_opts: dict[str, Any] = {"num_cpus": 0}
-    if a.placement and _has_resource(LOCAL_RESOURCE):
-        actor_opts["resources"] = {LOCAL_RESOURCE: 0.01}
+    ingress_opts: dict[str, Any] = {"num_cpus": 0}
+    pairs_placed = not replicas and a.pairs and a.placement and _has_resource(PEER_RESOURCE)
+    if a.placement and _has_resource(LOCAL_RESOURCE) and not pairs_placed:
+        # beside the engine on the local node (pairs' engines hold every local node's whole
+        # stage_local: their ingress goes anywhere)
+        ingress_opts["resources"] = {LOCAL_RESOURCE: 0.01}
     names = [a.model_alias or Path(a.model).name]
     if a.model_alias:
         names.append(Path(a.model).name)
-    return Ingress.options(ray_actor_options=actor_opts).bind(
+    return Ingress.options(ray_actor_options=ingress_opts).bind(
         engine, names, a.api_key, a.request_timeout_s, a.max_body_bytes, strict_request_fields=a.strict_request_fields
     )
 
@@ -247,8 +259,8 @@ def _split_engine(a: AppArgs, topo: Choice):  # noqa: ANN202 - a bound deploymen
     from deployments.engine_deployment import EngineDeployment
 
     endpoints: list[str] = []
-    pairs = a.rpc is not None and a.rpc.enabled and a.rpc.per_replica
-    if a.rpc is not None and a.rpc.enabled:
+    pairs = a.pairs
+    if a.split:
         from cluster.rpc_stage import start_stage, stop_stage
 
         if pairs:  # a shared stage left by a one-pair app holds part of a peer node: free it
