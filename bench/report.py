@@ -154,11 +154,13 @@ def headline_targets(results: list[dict]) -> list[tuple[str, str, str]]:
 
 
 def headline_markdown(results: list[dict], meta: dict) -> str:
-    cols = ("tok/s", "tok/s rep 2", "TPOT ms", "TTFT median s", "stage CPU ms/token", "ubatches/step", "errors")
+    cols = ("tok/s", "tok/s rep 2", "TPOT ms", "TTFT median s", "TTFT p99 s", "stage CPU ms/token", "ubatches/step",
+            "errors")
     lines = ["| cell | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     for r in results:
         rep = r["reps"][0]
-        vals = (r["tok_s"], r["tok_s_rep2"], r["tpot_ms"], r["ttft_median_s"], r["stage_cpu_ms_per_token"],
+        vals = (r["tok_s"], r["tok_s_rep2"], r["tpot_ms"], r["ttft_median_s"], rep.get("ttft_p99_s", ""),
+                r["stage_cpu_ms_per_token"],
                 rep.get("ubatches_per_step", ""), r["errors"])
         lines.append(f"| {r['name']} | " + " | ".join(str(v) for v in vals) + " |")
     lines += ["", "| target | measured | wanted |", "|---|---|---|"]

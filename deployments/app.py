@@ -232,6 +232,9 @@ def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
     log.warning("topology %s: %s", topo.topology, topo.reason)
     replicas = topo.topology == "replicas"
     if replicas:
+        from cluster.rpc_stage import stop_stage
+
+        stop_stage()  # a shared stage an earlier split app left would hold the peer's device
         # each node serves the whole model on its own device; the node with the peer stage's
         # resource uses the cores set aside for the stage (rpc.cpus)
         engine = EngineDeployment.options(
