@@ -14,6 +14,8 @@ from observability.process import cpu_seconds
 
 ROLES = (
     ("ray::ProxyActor", "serve proxy"),
+    ("ray::HAProxyManager", "serve proxy"),  # RAY_SERVE_ENABLE_HA_PROXY: the actor and haproxy itself
+    ("haproxy", "serve proxy"),
     ("ServeReplica:", "replica"),  # split below by deployment name
     ("ray::ServeController", "serve controller"),
     ("cluster.rpc_server", "rpc stage"),

@@ -56,6 +56,7 @@ class Cell:
     share_prefix: bool = True  # pipeline-groups only: slots share prefixes (engine/prefix.py)
     topology: str = "layer_split"  # pipeline-groups only: or "replicas", one engine per node (half the slots each)
     flash_attn: str = "auto"  # llama-server only: its -fa setting
+    haproxy: bool = False  # pipeline-groups only: Serve's direct ingress behind HAProxy, not the proxy actor
 
     @property
     def n_ctx(self) -> int:
@@ -69,7 +70,8 @@ class Cell:
         elif self.topology == "replicas":
             what = "pipeline-groups, replicas (one per node, no split)"
         else:
-            what = f"pipeline-groups, groups {self.groups}" + ("" if self.share_prefix else ", no prefix sharing")
+            what = (f"pipeline-groups, groups {self.groups}" + ("" if self.share_prefix else ", no prefix sharing")
+                    + (", HAProxy" if self.haproxy else ""))
         load = f"{self.clients} clients" + (f", {self.shared_prefix}-token shared prefix" if self.shared_prefix else "")
         return f"{what}, {'pinned' if self.pinned else 'unpinned'}, {load}"
 
@@ -80,7 +82,7 @@ def cells() -> list[Cell]:
     ls, pg = Cell("llama-server"), Cell("pipeline-groups")
     refs = [replace(ls, output_local=local, flash_attn=fa) for local in (False, True) for fa in ("auto", "on", "off")]
     rep = replace(pg, topology="replicas")
-    out = [*refs, pg, replace(pg, groups=2), rep]
+    out = [*refs, pg, replace(pg, groups=2), replace(pg, groups=2, haproxy=True), rep]
     out += [replace(ls, pinned=True, flash_attn=fa) for fa in ("auto", "on", "off")]
     out += [replace(c, pinned=True) for c in (pg, replace(pg, groups=2), rep)]
     for n in (8, 16):
@@ -173,13 +175,16 @@ def main(out: Path, only: str | None = None) -> list[dict]:
     todo = [c for c in cells() if only is None or only in c.name]
     t0 = time.monotonic()
     results = [run_llama_server(c) for c in todo if c.system == "llama-server"]
-    ours = [c for c in todo if c.system == "pipeline-groups"]
-    if ours:
-        stack = HttpStack()
+    for haproxy in (False, True):
+        ours = [c for c in todo if c.system == "pipeline-groups" and c.haproxy == haproxy]
+        if not ours:
+            continue
+        stack = HttpStack(haproxy=haproxy)
         try:
             results += [run_ours(stack, c) for c in ours]
         finally:
             stack.close()
+    os.environ.pop("RAY_SERVE_ENABLE_HA_PROXY", None)
     meta = {"machine": f"{os.cpu_count()} cores, {os.uname().machine}", "cpu": cpu.describe(), "model": MODEL.name,
             "shape": SHAPE.__dict__, "split": f"{N_PEER} layers on the peer, {SHAPE.n_layer - N_PEER} and the output local",
             "n_prompt": N_PROMPT, "n_gen": N_GEN, "slots": SLOTS, "wall_s": round(time.monotonic() - t0, 1),

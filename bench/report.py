@@ -119,7 +119,7 @@ def headline_targets(results: list[dict]) -> list[tuple[str, str, str]]:
 
     def ours(groups: int, pinned: bool = False, clients: int = 32, topology: str = "layer_split") -> dict | None:
         return _find(results, system="pipeline-groups", groups=groups, pinned=pinned, clients=clients,
-                     topology=topology, share_prefix=True)
+                     topology=topology, share_prefix=True, haproxy=False)
 
     for pinned in (False, True):
         ls, g1, g2 = best_ls(pinned), ours(1, pinned), ours(2, pinned)
@@ -134,6 +134,11 @@ def headline_targets(results: list[dict]) -> list[tuple[str, str, str]]:
             out.append((f"groups 2 / groups 1, 32 clients, {tag}", f"{g2['tok_s'] / g1['tok_s']:.2f}x", ">= 1.6x"))
         if g2:
             out.append((f"CPU ms per token outside the two stages, groups 2, {tag}", f"{outside_stages(g2):.2f}", "< 1"))
+        hp = _find(results, system="pipeline-groups", groups=2, pinned=pinned, clients=32, haproxy=True)
+        if hp and ls:
+            out.append((f"groups 2 behind HAProxy / llama-server's best, {tag}", f"{hp['tok_s'] / ls['tok_s']:.2f}x", ">= 1.5x"))
+            out.append((f"CPU ms per token outside the two stages, groups 2 behind HAProxy, {tag}",
+                        f"{outside_stages(hp):.2f}", "< 1"))
         rp = ours(1, pinned, topology="replicas")
         if rp and ls:
             out.append((f"replicas (2 nodes) / llama-server's best split, {tag}", f"{rp['tok_s'] / ls['tok_s']:.2f}x",
