@@ -12,6 +12,7 @@ llama.cpp cut each step into. Writes ``bench/results/latest.{json,md,png}``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -69,6 +70,8 @@ class Cell:
             what = "llama-server, output " + ("local" if self.output_local else "on peer") + f", -fa {self.flash_attn}"
         elif self.topology == "replicas":
             what = "pipeline-groups, replicas (one per node, no split)"
+        elif self.topology == "single":
+            what = "pipeline-groups, one node alone (no split)"
         else:
             what = (f"pipeline-groups, groups {self.groups}" + ("" if self.share_prefix else ", no prefix sharing")
                     + (", HAProxy" if self.haproxy else ""))
@@ -84,7 +87,7 @@ def cells() -> list[Cell]:
     rep = replace(pg, topology="replicas")
     out = [*refs, pg, replace(pg, groups=2), replace(pg, groups=2, haproxy=True), rep]
     out += [replace(ls, pinned=True, flash_attn=fa) for fa in ("auto", "on", "off")]
-    out += [replace(c, pinned=True) for c in (pg, replace(pg, groups=2), rep)]
+    out += [replace(c, pinned=True) for c in (pg, replace(pg, groups=2), rep, replace(pg, topology="single"))]
     for n in (8, 16):
         part = {"clients": n, "requests_per_client": 4, "shared_prefix": PREFIX}
         out += [replace(ls, **part), replace(pg, **part), replace(pg, groups=2, **part)]
@@ -156,14 +159,18 @@ def run_llama_server(c: Cell) -> dict:
 def run_ours(stack, c: Cell) -> dict:  # noqa: ANN001 - bench.run.HttpStack
     # replicas: the same slots and context in all, half on each node (its own whole model);
     # pinned, the local node's replica on the local core, the peer node's on the peer's core
+    # single: one node alone, the whole model on its core, no stage (what a replica is on its own)
     per_node = 2 if c.topology == "replicas" else 1
-    stack.deploy({
+    args = {
         "model": str(MODEL), "n_ctx": c.n_ctx // per_node, "n_parallel": SLOTS // per_node, "pipeline_groups": c.groups,
         "n_threads": 1, "devices": ["RPC0", "CPU"], "peer_layers": N_PEER,
         "n_batch": 512, "max_queued_requests": 4096, "local_cpus": LOCAL_CPUS if c.pinned else None,
         "rpc": {"port": 50174, "threads": 1, "cpus": PEER_CPUS if c.pinned else None},
-        "share_prefix": c.share_prefix, "topology": c.topology,
-    })
+        "share_prefix": c.share_prefix, "topology": "layer_split" if c.topology == "single" else c.topology,
+    }
+    if c.topology == "single":
+        args.update(devices=None, peer_layers=None, rpc=None)
+    stack.deploy(args)
     return measure(stack.base, c, ours=True)
 
 
@@ -174,14 +181,25 @@ def main(out: Path, only: str | None = None) -> list[dict]:
         write_model(MODEL, SHAPE)
     todo = [c for c in cells() if only is None or only in c.name]
     t0 = time.monotonic()
-    results = [run_llama_server(c) for c in todo if c.system == "llama-server"]
+    results: list[dict] = []
+    partial = out / "latest.partial.json"  # each cell as it ends: a later failure keeps the run so far
+    out.mkdir(parents=True, exist_ok=True)
+
+    def done(r: dict) -> None:
+        results.append(r)
+        partial.write_text(json.dumps(results, indent=1))
+
+    for c in todo:
+        if c.system == "llama-server":
+            done(run_llama_server(c))
     for haproxy in (False, True):
         ours = [c for c in todo if c.system == "pipeline-groups" and c.haproxy == haproxy]
         if not ours:
             continue
         stack = HttpStack(haproxy=haproxy)
         try:
-            results += [run_ours(stack, c) for c in ours]
+            for c in ours:
+                done(run_ours(stack, c))
         finally:
             stack.close()
     os.environ.pop("RAY_SERVE_ENABLE_HA_PROXY", None)
@@ -192,4 +210,5 @@ def main(out: Path, only: str | None = None) -> list[dict]:
     from bench.report import write_headline
 
     print(write_headline(results, meta, out))
+    partial.unlink(missing_ok=True)
     return results

@@ -158,6 +158,16 @@ class AppArgs(EngineConfig):
         fields["rpc_endpoints"] = [*self.rpc_endpoints, *stage_endpoints]
         return EngineConfig(**fields)
 
+    def replica_config(self) -> EngineConfig:
+        """The engine's part for a replica (topology replicas): the whole model on the node's
+        own device, so what places layers on RPC devices goes (``rpc_endpoints``, RPC entries
+        of ``devices``, ``peer_layers``, ``tensor_split``); a config written for the split
+        serves as replicas unchanged."""
+        fields = self.model_dump(include=set(EngineConfig.model_fields))
+        local = [d for d in self.devices or [] if not d.upper().startswith("RPC")]
+        fields.update(rpc_endpoints=[], devices=local or None, peer_layers=None, tensor_split=None)
+        return EngineConfig(**fields)
+
 
 def _has_resource(name: str) -> bool:
     import ray
@@ -239,7 +249,7 @@ def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
         # resource uses the cores set aside for the stage (rpc.cpus)
         engine = EngineDeployment.options(
             ray_actor_options={"num_cpus": 0}, num_replicas=topo.nodes, max_replicas_per_node=1,
-        ).bind(a.engine_config([]).model_dump(), topology=topo.as_dict(),
+        ).bind(a.replica_config().model_dump(), topology=topo.as_dict(),
                peer_cpus=a.rpc.cpus if a.rpc is not None else None)
     else:
         engine = _split_engine(a, topo)

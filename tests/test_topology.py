@@ -46,3 +46,13 @@ def test_a_node_without_the_model_file_is_named():
     msg = missing_model(ns, "/models/m.gguf")
     assert "10.0.0.2" in msg and "/models/m.gguf" in msg and "10.0.0.1" not in msg
     assert missing_model(nodes(1, 1), "/m") is None
+
+
+def test_a_config_written_for_the_split_serves_as_replicas_unchanged():
+    from deployments.app import AppArgs
+
+    a = AppArgs(devices=["RPC0", "CPU"], peer_layers=5, rpc_endpoints=["10.0.0.2:50052"], rpc={"port": 50052})
+    cfg = a.replica_config()
+    assert cfg.devices == ["CPU"] and cfg.peer_layers is None and cfg.rpc_endpoints == [] and cfg.tensor_split is None
+    assert cfg.n_ctx == a.n_ctx and cfg.pipeline_groups == a.pipeline_groups
+    assert AppArgs(devices=["RPC0"]).replica_config().devices is None  # the default local device
