@@ -460,6 +460,13 @@ def serve_run(topology: str = "layer_split", model_name: str | None = None, log:
                           f"exec serve run ~/{cfg.name}", STATE / log)
 
 
+def serve_shutdown() -> None:
+    """``serve shutdown`` on the head (what the README says before serving another config): it
+    returns once the controller is gone, so that the next ``serve run`` does not reach a
+    controller that is still shutting down and ignores it."""
+    on(HEAD, f"cd ~/pipeline-groups && source .venv/bin/activate && {AUTH} && serve shutdown -y", timeout=180)
+
+
 def wait_healthy(timeout_s: float = 300, proc: subprocess.Popen | None = None, log: str = "serve-run.log") -> float:
     t0 = time.monotonic()
     url = f"http://{HEAD.ip}:{HTTP_PORT}/health"

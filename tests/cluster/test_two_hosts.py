@@ -214,18 +214,27 @@ def answered_by(n: int) -> list[str]:
 
 def test_replicas_are_refused_while_the_peer_lacks_the_model(bed):
     stop_serving(bed)
+    tb.serve_shutdown()
     proc = tb.serve_run("replicas", model_name="copy-on-the-head-only.gguf", log="serve-run-refused.log")
+    # `serve run` of a config submits it and stays; the application's build fails on the
+    # cluster: `serve status` says why (DEPLOY_FAILED), as the terminal does
+    want = f"node(s) {tb.PEER.ip} lack the model file"
+    deadline = time.monotonic() + 240
+    status = ""
     try:
-        proc.wait(240)
-    except subprocess.TimeoutExpired:
+        while want not in status:
+            assert time.monotonic() < deadline, status[-3000:] + (tb.STATE / "serve-run-refused.log").read_text()[-3000:]
+            time.sleep(5)
+            out = tb.on(tb.HEAD, f"cd ~/pipeline-groups && source .venv/bin/activate && {tb.AUTH} && serve status",
+                        check=False).stdout
+            status = " ".join(out.split())  # YAML folds long messages over lines
+    finally:
         stop_serving(proc)
-        pytest.fail("serve run of a model the peer lacks did not stop")
-    log = (tb.STATE / "serve-run-refused.log").read_text(errors="replace")
-    assert proc.returncode != 0 and f"node(s) {tb.PEER.ip} lack the model file" in log, log[-3000:]
-    assert "copy-on-the-head-only.gguf" in log
+    assert "DEPLOY_FAILED" in status and "copy-on-the-head-only.gguf" in status, status
 
 
 def test_serve_run_in_the_replicas_topology_answers_from_both_nodes(bed):
+    tb.serve_shutdown()  # the refused app
     tb.put_model(tb.PEER)  # what the ray up config's file_mounts do on a real pair
     t0 = time.monotonic()
     proc = tb.serve_run("replicas", log="serve-run-replicas.log")
