@@ -121,9 +121,11 @@ def measure(base: str, c: Cell, ours: bool) -> dict:
         n_tok = sum(t.n_tokens for t in res.timings if t.ok)
         f["cpu_ms_per_token"] = cpu.per_token_ms(c0, c1, n_tok)
         stage = f["cpu_ms_per_token"].get("rpc stage", 0.0)
+        m1 = _metric_sums(base)
+        d = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}
+        # prompt tokens evaluated (not reused from a cache), as both servers count them
+        f["prompt_evaluated"] = int(d.get("llamacpp:prompt_tokens_total", 0))
         if ours:
-            m1 = _metric_sums(base)
-            d = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}
             steps = d.get("pgroups_group_decode_steps_total", 0) or 1
             f["ubatches_per_step"] = round(d.get("pgroups_group_ubatches_total", 0) / steps, 2)
             f["rows_per_step"] = round(d.get("pgroups_group_sampled_rows_total", 0) / steps, 1)
@@ -133,9 +135,6 @@ def measure(base: str, c: Cell, ours: bool) -> dict:
         else:
             stage += f["cpu_ms_per_token"].get("llama-server", 0.0)  # its host path included
         f["stage_cpu_ms_per_token"] = round(stage, 3)
-        # prompt tokens evaluated (not reused from a cache), as both servers count them
-        f["prompt_evaluated"] = int(_metric_sums(base).get("llamacpp:prompt_tokens_total", 0)
-                                    - m0.get("llamacpp:prompt_tokens_total", 0))
         reps.append(f)
         log.warning("%s, repetition %d: %s", c.name, rep + 1, f)
     return {**c.__dict__, "name": c.name, "reps": reps, "tok_s": reps[0]["tok_s"],

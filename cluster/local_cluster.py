@@ -48,10 +48,9 @@ def start(port: int = DEFAULT_PORT, head_cpus: int = 4, peer_cpus: int = 2, pair
     """Start the head and the peer raylet (and a local and a peer raylet per further pair);
     returns the cluster address. ``node_memory``: the memory each node states it has for a
     model (the topology's choice, deployments/topology.py), instead of the machine's."""
-    from deployments.topology import MEMORY_RESOURCE
-
     ray = _ray_bin()
-    extra = {MEMORY_RESOURCE: node_memory >> 20} if node_memory else {}
+    # the memory a node states for a model, in MiB (the resource deployments/topology.py reads)
+    extra = {"pgroups_memory_mib": node_memory >> 20} if node_memory else {}
     address = f"127.0.0.1:{port}"
     common = ["--disable-usage-stats", "--object-store-memory", str(300 * 1024 * 1024)]
     _run(

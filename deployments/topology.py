@@ -53,23 +53,9 @@ class Choice:
 
 def kv_bytes(model: str, n_ctx: int) -> int:
     """Bytes of an f16 KV cache of ``n_ctx`` cells (all slots together) for the GGUF's layers."""
-    from gguf import GGUFReader
+    from engine.gguf_shape import read_shape
 
-    r = GGUFReader(model)
-
-    def num(key: str, default: int = 0) -> int:
-        f = r.fields.get(key)
-        if f is None:
-            return default
-        return int(f.parts[f.data[0]][0])
-
-    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
-    n_layer, n_embd = num(f"{arch}.block_count"), num(f"{arch}.embedding_length")
-    n_head = num(f"{arch}.attention.head_count", 1) or 1
-    n_head_kv = num(f"{arch}.attention.head_count_kv", n_head) or n_head
-    k_dim = num(f"{arch}.attention.key_length", n_embd // n_head)
-    v_dim = num(f"{arch}.attention.value_length", n_embd // n_head)
-    return n_layer * n_ctx * n_head_kv * (k_dim + v_dim) * 2
+    return read_shape(model).kv_bytes(n_ctx)
 
 
 def model_needs(model: str, n_ctx: int) -> int:

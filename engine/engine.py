@@ -28,6 +28,7 @@ from engine.embeddings import Embedder
 from engine.grammar import GrammarCompiler
 from engine.group import CancelMsg, PipelineGroup, SlotBusyError, SlotOpMsg, StartMsg
 from engine.native import Model, add_rpc_server, local_device_name
+from engine.prefix import sharing_on
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.slots import Slot, SlotView
@@ -110,7 +111,7 @@ class Engine:
                 sink=self._sink,
                 max_queued=config.max_queued_requests,
                 similarity=config.slot_prompt_similarity,
-                share_prefix=config.share_prefix and config.cache_prompt and not self.model.recurrent,
+                share_prefix=sharing_on(config, self.model),
                 share_min=config.share_min_tokens,
             )
             for g in range(config.pipeline_groups):

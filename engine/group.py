@@ -28,6 +28,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.native import Model, NativeError
 from engine.planner import Plan, Row, draft_requests, generating, plan_step
+from engine.prefix import Reuse
 from engine.processor import OutputProcessor, final_output, progress_output
 from engine.runner import Runner
 from engine.sampling import SamplerChain
@@ -236,13 +237,12 @@ class PipelineGroup:
         tokens = r.prompt_tokens
         reuse_ok = self.config.cache_prompt and r.cache_prompt
         pc = self.prefix
-        plan = None
-        if leader is None:
-            plan = pc.plan(s, tokens, self.slots, own=reuse_ok, share=reuse_ok)
-        if plan is not None and plan.source is not None and plan.ready:
+        # a follower reuses nothing of its own: the leader's prompt comes as a copy
+        plan = pc.plan(s, tokens, self.slots, own=reuse_ok, share=reuse_ok) if leader is None else Reuse()
+        if plan.source is not None and plan.ready:
             n_reused = plan.shared if pc.copy(plan.source, s, plan.shared) else 0
         else:
-            n_reused = pc.keep(s, plan.own if plan is not None else 0)
+            n_reused = pc.keep(s, plan.own)
         backend = self.config.backend_sampling
         sampler = SamplerChain(r.params, self.n_vocab, self.config.seed, force_chain=backend,
                                banned=self.tok.eog_tokens if r.params.ignore_eos else (),
@@ -315,8 +315,7 @@ class PipelineGroup:
         prof.add("send", time.perf_counter() - t6)
         n_busy = len(self.active) + sum(1 for o in outs if o.finish_reason)
         prof.end_step(sum(len(t) for t in tokens), plan.n_tokens, n_busy,
-                      sum(len(s.cache_tokens) for s in self.slots), plan.n_ubatches,
-                      (self.prefix.n_copied, self.prefix.n_copies))
+                      sum(len(s.cache_tokens) for s in self.slots), plan.n_ubatches, self.prefix.n_copied)
 
     def _drafts(self) -> dict[int, list[int]]:
         """This step's drafts (slot id -> tokens), when the group speculates this step."""
@@ -329,7 +328,7 @@ class PipelineGroup:
         """Slots waiting for a leader's prefix take it once the leader's KV holds it: a copy of
         the leader's sequence, cut at the shared length. An n > 1 follower takes the whole
         prompt and joins this step's rows on its leader's logits."""
-        rows = {r.slot.id: r for r in plan.rows}
+        rows: dict[int, Row] | None = None  # made only in a step that has a waiting slot
         for e in plan.entries:
             s = e.slot
             for f in list(s.forks):
@@ -337,6 +336,8 @@ class PipelineGroup:
                     continue
                 n = f.share
                 got = self.prefix.copy(s, f, n)
+                if rows is None:
+                    rows = {r.slot.id: r for r in plan.rows}
                 if f.joins and got and s.id in rows:
                     # the leader's whole prompt is in the KV: the follower samples its first
                     # token from the leader's row of this step

@@ -298,12 +298,9 @@ class Model:
     @staticmethod
     def n_layer_of(path: str) -> int:
         """The layer count of a GGUF file, read from its metadata without loading weights."""
-        from gguf import GGUFReader
+        from engine.gguf_shape import read_shape
 
-        r = GGUFReader(path)
-        arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
-        f = r.fields[f"{arch}.block_count"]
-        return int(f.parts[f.data[0]][0])
+        return read_shape(path).n_layer
 
     def chat_template(self) -> str | None:
         t = llama_cpp.llama_model_chat_template(self.ptr, None)

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from engine.native import Context
+    from engine.config import EngineConfig
+    from engine.native import Context, Model
     from engine.slots import Slot
 
 
@@ -66,6 +67,12 @@ def keep_prefix(ctx: Context, n_swa: int, seq_id: int, cached: list[int], n_keep
     return n_keep
 
 
+def sharing_on(config: EngineConfig, model: Model) -> bool:
+    """Whether an engine's slots share prefixes: asked for, with prompt caching, and a model
+    whose state can be cut at a position (not recurrent or hybrid)."""
+    return config.share_prefix and config.cache_prompt and not model.recurrent
+
+
 @dataclass(frozen=True, slots=True)
 class Reuse:
     """What a new prompt reuses: ``own`` tokens of its slot's own KV, or ``shared`` tokens of
@@ -91,7 +98,6 @@ class PrefixCache:
         self.shareable = shareable  # not for recurrent or hybrid models
         self.share_min = max(1, share_min)
         self.n_copied = 0  # prefix tokens copied from another sequence instead of evaluated
-        self.n_copies = 0
         # stream copies llama.cpp has queued for the next decode: destination -> source sequence
         self.pending: dict[int, int] = {}
 
@@ -150,7 +156,6 @@ class PrefixCache:
                 return False
         dst.cache_tokens.extend(src.cache_tokens[:n])
         self.n_copied += n
-        self.n_copies += 1
         return True
 
     def applied(self) -> None:

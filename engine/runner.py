@@ -17,7 +17,7 @@ import numpy as np
 from engine.config import EngineConfig
 from engine.native import Batch, Context, Model, NativeError
 from engine.planner import Plan
-from engine.prefix import PrefixCache
+from engine.prefix import PrefixCache, sharing_on
 from engine.slots import Slot
 from engine.speculative import ModelDrafter, NgramDrafter
 
@@ -59,7 +59,7 @@ class Runner:
         self.n_ctx_slot = self.ctx.n_ctx_seq
         self.n_ubatch = self.ctx.n_ubatch
         self.prefix = PrefixCache(self.ctx, n_swa=model.n_swa, unified=config.kv_unified,
-                                  shareable=config.share_prefix and not model.recurrent,
+                                  shareable=sharing_on(config, model),
                                   share_min=config.share_min_tokens)
         # when the decode in progress began (time.monotonic), 0.0 between decodes: a decode
         # that never returns (a frozen peer) is seen from outside by this

@@ -29,7 +29,6 @@ class ProfileSnapshot:
     drafted: int = 0  # speculative decoding: draft tokens verified
     accepted: int = 0  # ... and accepted
     prefix_copied: int = 0  # prompt tokens whose KV was copied from another slot of the group
-    prefix_copies: int = 0
     wait: float = 0.0
     draft: float = 0.0
     batch: float = 0.0
@@ -89,8 +88,8 @@ class GroupProfiler:
         self._accepted += accepted
 
     def end_step(self, rows: int, tokens: int, busy_slots: int, kv_used: int, ubatches: int,
-                 copied: tuple[int, int] = (0, 0)) -> None:
-        """``copied``: the group's prefix copies so far (tokens, copies)."""
+                 copied: int = 0) -> None:
+        """``copied``: prompt tokens the group's prefix copies have taken so far."""
         self._steps += 1
         self._ubatches += ubatches
         self._rows += rows
@@ -107,8 +106,7 @@ class GroupProfiler:
             kv_total=self.kv_total,
             drafted=self._drafted,
             accepted=self._accepted,
-            prefix_copied=copied[0],
-            prefix_copies=copied[1],
+            prefix_copied=copied,
             **self._acc,
         )
         if self._log_enabled:

@@ -45,14 +45,11 @@ def completion(prompt: str, max_tokens: int, timeout: float = 120, check: bool =
 def model_shape() -> dict[str, int]:
     from gguf import GGUFReader
 
-    r = GGUFReader(str(tb.MODEL))
-    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    from engine.gguf_shape import read_shape
 
-    def num(key: str) -> int:
-        return int(r.fields[key].parts[-1][0])
-
-    return {"n_embd": num(f"{arch}.embedding_length"), "n_layer": num(f"{arch}.block_count"),
-            "n_vocab": len(r.fields["tokenizer.ggml.tokens"].data)}
+    shape = read_shape(str(tb.MODEL))
+    n_vocab = len(GGUFReader(str(tb.MODEL)).fields["tokenizer.ggml.tokens"].data)
+    return {"n_embd": shape.n_embd, "n_layer": shape.n_layer, "n_vocab": n_vocab}
 
 
 def listeners(node: tb.Node, port: int) -> list[tuple[str, str]]:

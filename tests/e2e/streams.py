@@ -1,10 +1,33 @@
-"""Streamed requests as the e2e tests watch them: how each one ended."""
+"""Requests as the e2e tests watch them: how a stream ended, which engine replica answered,
+which replicas the ingress serves from."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
+
+
+def replicas_seen(base: str, n: int, timeout_s: float = 180.0) -> set[str]:
+    """The engine replicas the ingress holds streams to, once there are ``n``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            reps = {s["replica"] for s in httpx.get(base + "/slots", timeout=10).json()}
+        except (httpx.HTTPError, ValueError, KeyError):
+            reps = set()
+        if len(reps) == n:
+            return reps
+        assert time.monotonic() < deadline, f"only {reps} after {timeout_s} s"
+        time.sleep(0.5)
+
+
+def served_by(base: str, prompt: str, max_tokens: int = 4) -> str:
+    """The engine replica that answered one completion."""
+    r = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.headers["x-engine-replica"]
 
 
 def stream_outcome(base: str, body: dict, headers: dict | None = None) -> str:

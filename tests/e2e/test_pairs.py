@@ -16,7 +16,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.rpc_stage import NAMESPACE, STAGE_NAME
-from tests.e2e.streams import stream_outcome
+from tests.e2e.streams import replicas_seen, served_by, stream_outcome
 
 APP = {
     "n_ctx": 2048,
@@ -30,23 +30,7 @@ APP = {
 
 
 def both_pairs(base: str, timeout_s: float = 180.0) -> set[str]:
-    """The engine replicas the ingress holds streams to, once there are two."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            reps = {s["replica"] for s in httpx.get(base + "/slots", timeout=10).json()}
-        except (httpx.HTTPError, ValueError, KeyError):
-            reps = set()
-        if len(reps) == 2:
-            return reps
-        assert time.monotonic() < deadline, f"only {reps} after {timeout_s} s"
-        time.sleep(0.5)
-
-
-def served_by(base: str, prompt: str, max_tokens: int = 4) -> str:
-    r = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens}, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.headers["x-engine-replica"]
+    return replicas_seen(base, 2, timeout_s)
 
 
 def test_each_pair_has_its_own_stage_on_its_own_peer_node_and_requests_spread(deploy):

@@ -15,28 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.rpc_stage import NAMESPACE, STAGE_NAME
 from tests.e2e.conftest import NODE_MEMORY
+from tests.e2e.streams import replicas_seen, served_by
 
 APP = {"n_ctx": 1024, "n_parallel": 4, "n_threads": 1}
-
-
-def replicas_seen(base: str, n: int, timeout_s: float = 180.0) -> set[str]:
-    """The engine replicas the ingress holds streams to, once there are ``n``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            reps = {s["replica"] for s in httpx.get(base + "/slots", timeout=10).json()}
-        except (httpx.HTTPError, ValueError, KeyError):
-            reps = set()
-        if len(reps) == n:
-            return reps
-        assert time.monotonic() < deadline, f"only {reps} after {timeout_s} s"
-        time.sleep(0.5)
-
-
-def served_by(base: str, prompt: str) -> str:
-    r = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.headers["x-engine-replica"]
 
 
 def test_replicas_serve_a_whole_model_on_every_node_and_one_down_leaves_the_others_serving(deploy):
