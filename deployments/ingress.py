@@ -248,6 +248,7 @@ class Ingress:
         self._discover_task: asyncio.Task | None = None
         self._pumps: dict[str | None, asyncio.Task] = {}  # by the replica asked for (None: any)
         self._streams: dict[str, str] = {}  # engine replica id -> the output stream's connection id
+        self._opening: dict[str | None, str] = {}  # a pump's stream being opened: its connection id
         self._connected = asyncio.Event()  # at least one output stream is up
 
     # ---- the output streams from the engine replicas -----------------------------------------
@@ -272,6 +273,8 @@ class Ingress:
             if not known:  # a handle without the pair router (or no replica yet): one stream to any
                 if None not in self._pumps or self._pumps[None].done():
                     self._pumps[None] = _detached(self._pump(None))
+            elif self._reaching_any():
+                pass  # which replica the first stream reaches shows when it registers: no second one to it
             else:
                 for rid in known - set(self._streams):
                     if rid not in self._pumps or self._pumps[rid].done():
@@ -279,6 +282,13 @@ class Ingress:
                 for rid in [r for r in self._pumps if r is not None and r not in known]:
                     self._pumps.pop(rid).cancel()
             await asyncio.sleep(1.0 if self._streams else 0.2)
+
+    def _reaching_any(self) -> bool:
+        """Whether the stream to any replica (opened while the router knew none) is still being
+        opened: once the router knows replicas, a stream per replica would otherwise be opened
+        to the same one and two streams would hold it."""
+        anyone = self._pumps.get(None)
+        return anyone is not None and not anyone.done() and None in self._opening
 
     async def _pump(self, target: str | None) -> None:
         """Hold one output stream from an engine replica, with a fresh connection id each time
@@ -289,6 +299,7 @@ class Ingress:
             if (target is None and known) or (target is not None and known and target not in known):
                 return  # the streams per replica take over; or this replica is gone
             conn, replica = uuid.uuid4().hex, None
+            self._opening[target] = conn
             try:
                 gen = self.engine.options(stream=True).outputs.remote(self.ingress_id, conn, replica=target)
                 async for batch in gen:
@@ -298,6 +309,7 @@ class Ingress:
                             break
                         replica = batch["connected"]  # the engine replica registered this stream
                         self._streams[replica] = conn
+                        self._opening.pop(target, None)
                         self._connected.set()
                         backoff = 0.2
                         continue
@@ -312,6 +324,8 @@ class Ingress:
             except Exception as e:  # the engine replica died or is being replaced
                 log.warning("output stream %s from the engine ended: %s", conn[:8], e)
             finally:
+                if self._opening.get(target) == conn:
+                    del self._opening[target]
                 if replica is not None and self._streams.get(replica) == conn:
                     del self._streams[replica]
                 if not self._streams:
