@@ -110,7 +110,25 @@ class AppArgs(EngineConfig):
         "served with a warning in the log.",
     )
     request_timeout_s: float | None = Field(default=None, gt=0, description="Cancel a request that runs longer [--timeout].")
-    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, description="Largest accepted request body.")
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, description="Largest accepted request body (413).")
+    body_timeout_s: float = Field(
+        default=10.0, gt=0, le=3600,
+        description="A request body must arrive within this many seconds, plus its size at min_body_rate, or the "
+        "request gets a 408 and its connection is closed (half-sent bodies hold nothing for long).")
+    min_body_rate: float = Field(default=1024 * 1024, gt=0, description="Bytes per second a body's deadline allows "
+                                 "beyond body_timeout_s.")
+    max_requests_per_client: int = Field(
+        default=256, ge=1, description="Requests in flight from one client address, per ingress replica (429 "
+        "beyond): one address cannot hold every place of the ingress.")
+    cors_origins: list[str] = Field(
+        default_factory=list,
+        description="Web page origins (e.g. 'http://localhost:5173') that may use the API from a browser, with "
+        "CORS headers and preflight as llama-server gives them; '*' allows any. Requests from any other foreign "
+        "Origin are refused (403); the server's own page is always allowed.")
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host names served besides loopback ones when the server has no api_key and is reached on a "
+        "loopback address (DNS rebinding: other Host names are refused with 403); '*' turns the check off.")
     stage_timeout_s: float = Field(
         default=60.0, gt=0,
         description="A decode step that waits this long on the RPC stage (a frozen peer) fails the "
@@ -262,8 +280,12 @@ def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
     names = [a.model_alias or Path(a.model).name]
     if a.model_alias:
         names.append(Path(a.model).name)
+    guard = {"body_timeout_s": a.body_timeout_s, "min_body_rate": a.min_body_rate,
+             "max_requests_per_client": a.max_requests_per_client, "cors_origins": list(a.cors_origins),
+             "allowed_hosts": [h.lower() for h in a.allowed_hosts]}
     return Ingress.options(ray_actor_options=ingress_opts).bind(
-        engine, names, a.api_key, a.request_timeout_s, a.max_body_bytes, strict_request_fields=a.strict_request_fields
+        engine, names, a.api_key, a.request_timeout_s, a.max_body_bytes, strict_request_fields=a.strict_request_fields,
+        guard=guard,
     )
 
 

@@ -1,9 +1,9 @@
 """The engine actor: one ``Engine`` in a Ray Serve replica on the local node.
 
-Tokens leave it in per-step batches: each ingress replica holds one long-lived stream
-(``outputs``) that carries the outputs of every request it submitted, as many steps as
-have accumulated since its last read in one item. A Ray item costs about a millisecond of
-CPU, so one item per token per request would cost more than the model on a small box.
+Tokens leave it in per-step batches, on one long-lived output stream per ingress replica
+(``outputs``; ``deployments.streams`` holds both halves). A request's prompt is made here, by
+its own API request (``prepare``), off the event loop; so is every call of an API's utility
+endpoints (``run``).
 """
 
 from __future__ import annotations
@@ -13,29 +13,16 @@ import logging
 import os
 import socket
 import time
-from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from deployments.protocol import (
-    ApiError,
-    ApiRequest,
-    ApplyTemplateRequest,
-    ChatCompletionRequest,
-    DetokenizeRequest,
-    Embedded,
-    EmbeddingRequest,
-    InfillRequest,
-    Submitted,
-    TokenizeRequest,
-    ToolSettings,
-    piece_json,
-)
+from deployments.api.base import ApiError, BodyError
+from deployments.api.values import Prepared, Submitted
 from deployments.router import STATS_PERIOD_S, Route
+from deployments.streams import EngineStreams
 from engine import (
     Engine,
     EngineConfig,
@@ -45,11 +32,7 @@ from engine import (
     SamplingParams,
     SlotBusyError,
 )
-from engine.infill import infill_tokens
-from engine.reasoning import ReasoningPlan
-from engine.tokenizer import Tokenizer
-from engine.tools import ToolPlan
-from engine.types import SHUTTING_DOWN, FinishReason, Request
+from engine.types import SHUTTING_DOWN
 from observability.metrics import EngineMetrics
 from observability.process import rss_bytes
 
@@ -81,31 +64,6 @@ def _on_peer_node() -> bool:
 NOT_CONNECTED = "this engine replica has no output stream from the ingress (it restarted); retry the request"
 
 
-def chat_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest,
-                default_max_tokens: int) -> tuple[str, SamplingParams, ToolPlan]:
-    """A chat request's prompt (its tools in it, as its template takes them), its sampling
-    (a forced tool call's grammar in it) and its tool plan."""
-    plan = ToolPlan.make(tokenizer.template.source, tokenizer.template.builtin, req.tools, req.tool_choice,
-                         req.parallel_tool_calls)
-    prompt = tokenizer.apply_chat_template(plan.messages(req.template_messages()), tools=plan.template_tools(),
-                                           kwargs=req.template_kwargs())
-    params = req.sampling(default_max_tokens, req.max_completion_tokens)
-    grammar = plan.grammar()
-    if grammar is not None:
-        params = params.model_copy(update={"grammar": grammar})
-    return prompt, params, plan
-
-
-class _Conn:
-    """One output stream to one ingress replica: its queue and the requests it carries."""
-
-    def __init__(self, ingress_id: str, conn_id: str) -> None:
-        self.ingress_id, self.id = ingress_id, conn_id
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.requests: set[str] = set()
-
-
-_CLOSE = object()  # ends an output stream
 
 
 @serve.deployment(
@@ -142,8 +100,6 @@ class EngineDeployment:
             config = {**config, "local_cpus": peer_cpus}
         self.config = EngineConfig.model_validate(config)
         self.loop = asyncio.get_running_loop()
-        self._owner: dict[str, _Conn] = {}  # request id -> the stream its outputs go to
-        self._conns: dict[str, _Conn] = {}  # connection id -> stream
         self._failed: str | None = None  # why this replica must be replaced
         self._draining = False
         for ep in self.config.rpc_endpoints:
@@ -151,6 +107,7 @@ class EngineDeployment:
         self.engine: Engine = await asyncio.to_thread(Engine, self.config, self._sink_from_thread)
         self.model_name = self.engine.model_name
         self.metrics = EngineMetrics(self.model_name, self._replica)
+        self.out = EngineStreams(self.metrics.observe, self.engine.cancel)
         self.metrics.set_stage_up(True)
         self.metrics.set_topology(self.topology["topology"])
         self._last_busy: tuple[float, float, float | None] | None = None
@@ -191,38 +148,12 @@ class EngineDeployment:
         log.error("%s", reason)
         self._failed = reason
         self.metrics.set_stage_up(False)
-        self._cut_all(reason)
-
-    def _cut_all(self, reason: str) -> int:
-        """End every request this replica holds with a 503 towards its client, and close every
-        output stream (Serve's drain of this replica must not wait on them)."""
-        cut = list(self._owner.items())
-        for rid, conn in cut:
-            conn.requests.discard(rid)
-            conn.queue.put_nowait([Output(rid, "", 0, FinishReason.ERROR, error=reason, status=503)])
-        self._owner.clear()
-        for conn in self._conns.values():
-            conn.queue.put_nowait(_CLOSE)
-        return len(cut)
+        self.out.cut_all(reason)
 
     # ---- outputs ----------------------------------------------------------------------------
 
     def _sink_from_thread(self, outs: list[Output]) -> None:
-        self.loop.call_soon_threadsafe(self._deliver, outs)
-
-    def _deliver(self, outs: list[Output]) -> None:
-        per_conn: dict[_Conn, list[Output]] = defaultdict(list)
-        for o in outs:
-            conn = self._owner.get(o.request_id)
-            if o.finish_reason is not None:
-                self._owner.pop(o.request_id, None)
-                if conn is not None:
-                    conn.requests.discard(o.request_id)
-            self.metrics.observe(o)
-            if conn is not None:
-                per_conn[conn].append(o)
-        for conn, items in per_conn.items():
-            conn.queue.put_nowait(items)
+        self.loop.call_soon_threadsafe(self.out.deliver, outs)
 
     async def outputs(self, ingress_id: str, conn_id: str, replica: str | None = None):
         """One ingress replica's output stream: first ``{"connected": replica}`` (or
@@ -235,39 +166,16 @@ class EngineDeployment:
         if self._failed is not None or self._draining:
             yield {"refused": self._failed or SHUTTING_DOWN}  # the ingress retries later
             return
-        conn = self._conns[conn_id] = _Conn(ingress_id, conn_id)
-        q = conn.queue
-        try:
-            yield {"connected": self._replica}
-            while True:
-                batch = await q.get()
-                if batch is _CLOSE:
-                    return
-                while not q.empty():
-                    more = q.get_nowait()
-                    if more is _CLOSE:
-                        yield batch
-                        return
-                    batch.extend(more)
-                yield batch
-        finally:
-            if self._conns.get(conn_id) is conn:
-                del self._conns[conn_id]
-            for rid in list(conn.requests):
-                self._owner.pop(rid, None)
-                self.engine.cancel(rid)
-            conn.requests.clear()
+        async for item in self.out.serve(ingress_id, conn_id, {"connected": self._replica}):
+            yield item
 
     async def close_stream(self, conn_id: str, replica: str | None = None) -> bool:
         """End one output stream (its ingress replica is stopping); its requests are cancelled."""
-        conn = self._conns.get(conn_id)
-        if conn is not None:
-            conn.queue.put_nowait(_CLOSE)
-        return conn is not None
+        return self.out.close(conn_id)
 
     # ---- requests ---------------------------------------------------------------------------
 
-    async def submit(self, conns: dict[str, str] | str, request_id: str, req: ApiRequest,
+    async def submit(self, conns: dict[str, str] | str, request_id: str, req: Any,
                      route: Route | None = None) -> Submitted | ApiError:
         """Tokenise and queue one request the ingress has validated; returns its prompt size
         (and what the ingress needs to shape its answer) or an error. The chat template and
@@ -278,117 +186,41 @@ class EngineDeployment:
             return ApiError(503, self._failed)
         if self._draining:
             return ApiError(503, SHUTTING_DOWN)
-        if conn_id not in self._conns:
+        if conn_id not in self.out.conns:
             return ApiError(503, NOT_CONNECTED)
         try:
-            r, extra = await asyncio.to_thread(self._prepare, request_id, req)
-        except (ValueError, RequestError) as e:
-            return ApiError(400, str(e))
-        conn = self._conns.get(conn_id)
-        if conn is None or self._failed is not None or self._draining:
-            return ApiError(503, self._failed or (SHUTTING_DOWN if self._draining else NOT_CONNECTED))
+            prepared: Prepared = await asyncio.to_thread(req.prepare, self.engine, request_id)
+        except BodyError as e:
+            return ApiError(e.status, e.message)
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError) as e:
+            # the body's shape, met while its prompt is made: the client's 400 (RequestError,
+            # a template's error, pydantic's, or what a value of the wrong type raises)
+            return ApiError(400, str(e)[:1000] or type(e).__name__)
+        r = prepared.request
         ids = [m.id for m in r.family]
-        for m in ids:
-            self._owner[m] = conn
-            conn.requests.add(m)
+        conn = None if self._failed is not None or self._draining else self.out.take(conn_id, ids)
+        if conn is None:
+            return ApiError(503, self._failed or (SHUTTING_DOWN if self._draining else NOT_CONNECTED))
         try:
             self.engine.submit(r)
         except (QueueFullError, RuntimeError) as e:
-            for m in ids:
-                self._owner.pop(m, None)
-                conn.requests.discard(m)
+            self.out.drop(conn, ids)
             if isinstance(e, QueueFullError):
                 self.metrics.rejected()
                 return ApiError(429, str(e))
             return ApiError(503, str(e))
-        return Submitted(len(r.prompt_tokens), r.n_predict, self._replica, conn_id, self.engine.n_ctx_slot, **extra)
+        return Submitted(len(r.prompt_tokens), r.n_predict, self._replica, conn_id, self.engine.n_ctx_slot,
+                         echo=prepared.echo, tools=prepared.tools, reasoning=prepared.reasoning)
 
-    def _prepare(self, request_id: str, req: ApiRequest) -> tuple[Request, dict[str, Any]]:
-        """The engine request, and for the ingress: the echoed prompt, the tool-call parser's
-        settings."""
-        extra: dict[str, Any] = {}
-        if isinstance(req, ChatCompletionRequest):
-            prompt, params, plan = chat_prompt(self.engine.tokenizer, req, self._default_max_tokens())
-            if plan.active:
-                extra["tools"] = ToolSettings(tuple(plan.names), plan.parallel)
-            thinking = ReasoningPlan.make(req.reasoning_format, self.engine.tokenizer.template.source or "", prompt)
-            if thinking is not None:
-                extra["reasoning"] = thinking
-            return self.engine.make_request(prompt, params, request_id, cache_prompt=req.cache_prompt, n=req.n,
-                                            id_slot=req.id_slot), extra
-        prompt = req.prompt
-        params = req.sampling(self._default_max_tokens())
-        n_cmpl, most = getattr(req, "n_cmpl", 1), self.config.n_slots_per_group
-        if n_cmpl > most:  # llama-server's words: llama.vscode reads them and asks for fewer
-            raise RequestError(f"Field 'n_cmpl': Value must be between 1 and {most} (the slots of one pipeline group)")
-        if isinstance(req, InfillRequest):
-            asked = max(req.n_predict or 0, req.max_tokens or 0, 0)
-            prompt = infill_tokens(self.engine.tokenizer, req.input_prefix, req.input_suffix, req.prompt, req.extra(),
-                                   self.config.n_batch, self.engine.n_ctx_slot, asked)
-        r = self.engine.make_request(prompt, params, request_id, cache_prompt=req.cache_prompt, n=req.n,
-                                     id_slot=req.id_slot)
-        if req.echo:  # after make_request: token ids are checked there (400), not decoded blind
-            extra["echo"] = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
-        return r, extra
-
-    # ---- llama-server's utility endpoints (off the event loop: inputs can be large) -----------
-
-    async def embed(self, req: EmbeddingRequest) -> Embedded | ApiError:
-        """Embeddings of the request's inputs (off the event loop; one context, its own thread)."""
-        if self.engine.embedder is None:
-            return ApiError(501, "this server does not serve embeddings: set embeddings: true in its config "
-                            "(llama-server's --embeddings)")
-        n_embd = self.engine.embedder.n_embd
-        if req.dimensions is not None and req.dimensions != n_embd:
-            return ApiError(400, f"dimensions must be the model's own, {n_embd} (vectors are not cut)")
+    async def run(self, req: Any) -> Any:
+        """An API's call (``req.run(engine)``: tokenize, detokenize, apply a template, count
+        tokens, embed) off the event loop; the client's errors as ``ApiError``s."""
         try:
-            vectors, n = await asyncio.to_thread(self.engine.embed, req.inputs())
-        except RequestError as e:
-            return ApiError(400, str(e))
-        return Embedded(vectors, n)
-
-    async def count_tokens(self, req: ChatCompletionRequest) -> dict | ApiError:
-        """Anthropic's count_tokens: the prompt tokens the chat request would have."""
-        def work() -> dict:
-            prompt, _, _ = chat_prompt(self.engine.tokenizer, req, self._default_max_tokens())
-            return {"input_tokens": len(self.engine.tokenize_prompt(prompt))}
-
-        return await self._utility(work)
-
-    async def tokenize(self, body: dict) -> dict | ApiError:
-        def work() -> dict:
-            req = TokenizeRequest.model_validate(body)
-            toks = self.engine.tokenizer.encode(req.content, add_special=req.add_special,
-                                                parse_special=req.parse_special)
-            if not req.with_pieces:
-                return {"tokens": toks}
-            return {"tokens": [{"id": t, "piece": piece_json(self.engine.tokenizer.piece(t))} for t in toks]}
-
-        return await self._utility(work)
-
-    async def detokenize(self, body: dict) -> dict | ApiError:
-        def work() -> dict:
-            req = DetokenizeRequest.model_validate(body)
-            bad = [t for t in req.tokens if not 0 <= t < self.engine.model.n_vocab]
-            if bad:
-                raise RequestError(f"token ids out of range [0, {self.engine.model.n_vocab}): {bad[:5]}")
-            return {"content": self.engine.tokenizer.decode(req.tokens)}
-
-        return await self._utility(work)
-
-    async def apply_template(self, body: dict) -> dict | ApiError:
-        def work() -> dict:
-            req = ApplyTemplateRequest.model_validate(body)
-            text = self.engine.tokenizer.apply_chat_template(req.template_messages(), kwargs=req.chat_template_kwargs)
-            return {"prompt": text}
-
-        return await self._utility(work)
-
-    async def _utility(self, work: Callable[[], dict]) -> dict | ApiError:
-        try:
-            return await asyncio.to_thread(work)
-        except ValueError as e:  # pydantic's ValidationError, RequestError, TemplateError
-            return ApiError(400, str(e))
+            return await asyncio.to_thread(req.run, self.engine)
+        except BodyError as e:
+            return ApiError(e.status, e.message)
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError) as e:
+            return ApiError(400, str(e)[:1000] or type(e).__name__)
 
     async def props(self) -> dict:
         tok = self.engine.tokenizer
@@ -415,30 +247,26 @@ class EngineDeployment:
         with a shutting-down error. Called before a shutdown so that it is quick."""
         self._draining = True
         deadline = time.monotonic() + grace_s
-        while self._owner and time.monotonic() < deadline:
+        while self.out.owner and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        for rid in list(self._owner):
+        for rid in list(self.out.owner):
             self.engine.cancel(rid)
         # cancelled, but their clients are still there: they get an error
-        return {"cut": self._cut_all(SHUTTING_DOWN)}
+        return {"cut": self.out.cut_all(SHUTTING_DOWN)}
 
     def tables(self) -> dict:
         """Sizes of every per-request table (a leak shows here)."""
         running, waiting = self.engine.scheduler.counts()
         return {
-            "owners": len(self._owner),
-            "connections": len(self._conns),
-            "connection_requests": sum(len(c.requests) for c in self._conns.values()),
+            "owners": len(self.out.owner),
+            "connections": len(self.out.conns),
+            "connection_requests": sum(len(c.requests) for c in self.out.conns.values()),
             "running": running,
             "waiting": waiting,
             "active_slots": sum(len(g.active) for g in self.engine.groups),
             "rss_bytes": rss_bytes(os.getpid()),
             "replica": self._replica,
         }
-
-    def _default_max_tokens(self) -> int:
-        # OpenAI's meaning of a missing max_tokens: until the slot's context is full
-        return self.engine.n_ctx_slot
 
     async def cancel(self, request_id: str, n: int = 1, replica: str | None = None) -> bool:
         """Cancel a request and its other choices (``replica``: routing only)."""

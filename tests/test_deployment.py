@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
+from deployments.api.openai import CompletionRequest
+from deployments.api.values import Submitted
 from deployments.engine_deployment import NOT_CONNECTED, EngineDeployment
-from deployments.protocol import CompletionRequest, Submitted
 from engine.types import SHUTTING_DOWN, Output
 
 LONG = {"prompt": "a long request", "max_tokens": 100_000, "ignore_eos": True}
@@ -165,17 +166,24 @@ def test_drain_finishes_short_requests_and_cuts_long_ones_with_an_error(model_pa
 
 
 def test_llama_servers_utility_endpoints(model_path):
+    from deployments.api.base import BodyError, read_request
+    from deployments.api.llama import ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest
+
+    def tok(**body: Any) -> TokenizeRequest:
+        return read_request(TokenizeRequest, body)[0]
+
     async def body(d: Any) -> None:
-        toks = (await d.tokenize({"content": "hello world"}))["tokens"]
+        toks = (await d.run(tok(content="hello world")))["tokens"]
         assert toks and all(isinstance(t, int) for t in toks)
-        assert (await d.tokenize({"content": "hello world", "add_special": True}))["tokens"][1:] == toks
-        pieces = (await d.tokenize({"content": "hello world", "with_pieces": True}))["tokens"]
+        assert (await d.run(tok(content="hello world", add_special=True)))["tokens"][1:] == toks
+        pieces = (await d.run(tok(content="hello world", with_pieces=True)))["tokens"]
         assert [p["id"] for p in pieces] == toks and "".join(p["piece"] for p in pieces).strip() == "hello world"
-        assert (await d.detokenize({"tokens": toks}))["content"].strip() == "hello world"
-        bad = await d.detokenize({"tokens": [1, 10**9]})
+        assert (await d.run(DetokenizeRequest(tokens=toks)))["content"].strip() == "hello world"
+        bad = await d.run(DetokenizeRequest(tokens=[1, 10**9]))
         assert bad.status == 400 and "out of range" in bad.message
-        assert (await d.tokenize({"content": 5})).status == 400
-        prompt = (await d.apply_template({"messages": [{"role": "user", "content": "hi"}]}))["prompt"]
+        with pytest.raises(BodyError, match="content"):  # refused at the boundary, before the engine
+            read_request(TokenizeRequest, {"content": 5})
+        prompt = (await d.run(ApplyTemplateRequest(messages=[{"role": "user", "content": "hi"}])))["prompt"]
         assert "hi" in prompt and prompt != "hi"
         props = await d.props()
         assert props["total_slots"] == 2 and props["default_generation_settings"]["n_ctx"] == d.engine.n_ctx_slot
@@ -246,18 +254,18 @@ def test_ingress_health_is_503_while_its_output_stream_is_down(monkeypatch):
         ing = object.__new__(cls)
         cls.__init__(ing, handle, ["m"])
         assert (await ing.health()).status_code == 200  # first call: starts the stream
-        await asyncio.wait_for(ing._connected.wait(), 10)  # noqa: SLF001
+        await asyncio.wait_for(ing.out.connected.wait(), 10)
         handle.drop()
         for _ in range(100):
-            if not ing._connected.is_set():  # noqa: SLF001
+            if not ing.out.connected.is_set():
                 break
             await asyncio.sleep(0.01)
         assert (await ing.health()).status_code == 503
         handle.revive()
-        await asyncio.wait_for(ing._connected.wait(), 10)  # noqa: SLF001
+        await asyncio.wait_for(ing.out.connected.wait(), 10)
         assert handle.opened == 2
         assert (await ing.health()).status_code == 200
-        for t in [ing._discover_task, *ing._pumps.values()]:  # noqa: SLF001
+        for t in [ing.out.discover_task, *ing.out.pumps.values()]:
             t.cancel()
 
     asyncio.run(main())

@@ -19,8 +19,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from pydantic import ValidationError
 
-from deployments.engine_deployment import chat_prompt
-from deployments.protocol import ChatCompletionRequest, CompletionRequest
+from deployments.api.openai import ChatCompletionRequest, CompletionRequest, chat_prompt
 from engine import Engine, EngineConfig, SamplingParams
 from tests.hostile import CASES, Gaps, hostile_bodies
 

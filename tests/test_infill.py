@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from deployments.protocol import InfillRequest, Submitted
+from deployments.api.llama import InfillRequest
+from deployments.api.values import Submitted
 from engine import Engine, EngineConfig, RequestError
 from engine.infill import FimTokens, infill_tokens
 from engine.synthetic_model import ModelShape, write_model

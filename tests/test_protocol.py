@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    LlamaCompletionRequest,
-    ResponsesRequest,
-    completion_probabilities,
-    timings,
-    validate_body,
-)
+from deployments.api.base import validate_body
+from deployments.api.generation import timings
+from deployments.api.llama import LlamaCompletionRequest, completion_probabilities
+from deployments.api.openai import ChatCompletionRequest, CompletionRequest
+from deployments.api.responses import ResponsesRequest
 from engine.types import FinishReason, Output
 
 
@@ -96,7 +92,7 @@ def test_completion_probabilities_are_llama_servers():
 
 
 def test_response_fields_pick_and_unnest():
-    from deployments.protocol import pick_fields
+    from deployments.api.llama import pick_fields
 
     body = {"content": "x", "stop": True, "timings": {"prompt_n": 3}, "generation_settings": {"n_ctx": 512}}
     assert pick_fields(body, ["content", "timings/prompt_n", "generation_settings/n_ctx", "missing", "content/x"]) == \

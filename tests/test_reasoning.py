@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from deployments.shaping import Choice, SseEvents
+from deployments.api.openai import Choice, SseEvents
 from engine.reasoning import MARKERS, ReasoningPlan, ReasoningSplitter, split_reasoning
 from engine.types import FinishReason, Output
 

@@ -255,7 +255,7 @@ def test_metrics_export_drafted_and_accepted_tokens_per_group(make_engine, model
 
 
 def test_the_api_carries_the_per_request_switch():
-    from deployments.protocol import ChatCompletionRequest, CompletionRequest
+    from deployments.api.openai import ChatCompletionRequest, CompletionRequest
 
     off = CompletionRequest(prompt="x", speculative=False).sampling(16)
     assert off.speculative is False

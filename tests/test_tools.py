@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from deployments.protocol import ChatCompletionRequest
+from deployments.api.openai import ChatCompletionRequest
 from engine import SamplingParams
 from engine.tools import ToolCallStream, ToolFormat, ToolPlan, detect_format, parse_tool_calls
 

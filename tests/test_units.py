@@ -159,7 +159,7 @@ def test_app_args_refuse_unsafe_rpc_bind_and_bad_groups():
 def test_sse_events_encode_as_openai_chunks():
     import json as _json
 
-    from deployments.shaping import SseEvents
+    from deployments.api.openai import SseEvents
 
     for kind in ("completion", "chat"):
         ev = SseEvents("id-1", kind, "m", include_usage=True)
@@ -192,7 +192,8 @@ def test_app_args_are_the_engine_config_plus_the_deployments_keys(monkeypatch):
     assert cfg.n_parallel == EngineConfig(model="m").n_parallel
     assert set(AppArgs.model_fields) - set(EngineConfig.model_fields) == {
         "rpc", "api_key", "request_timeout_s", "max_body_bytes", "stage_timeout_s", "placement", "replicas",
-        "allow_unauthenticated", "strict_request_fields", "topology"}
+        "allow_unauthenticated", "strict_request_fields", "topology", "body_timeout_s", "min_body_rate",
+        "max_requests_per_client", "cors_origins", "allowed_hosts"}
 
 
 def test_token_logprobs_are_a_log_softmax_with_the_top_alternatives():

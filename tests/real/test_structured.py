@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 
-from deployments.protocol import ChatCompletionRequest, CompletionRequest
+from deployments.api.openai import ChatCompletionRequest, CompletionRequest
 from engine import RequestError, SamplingParams
 
 PERSON = {
@@ -110,7 +110,7 @@ TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": 
 def test_forced_tool_calls_on_the_real_model_all_parse_and_validate(make_gemma):
     """Gemma's GGUF has no chat template (chatml, no tools): the tools go in a system
     message; tool_choice required makes every sampled answer calls that validate."""
-    from deployments.engine_deployment import chat_prompt
+    from deployments.api.openai import chat_prompt
     from engine.tools import limit_calls, parse_tool_calls
 
     e = make_gemma(n_parallel=4, n_ctx=16384)

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, PrivateAttr, model_validator
 
-from deployments.protocol import ApiModel, ChatCompletionRequest, ToolSettings
+from deployments.api.base import Answer, ApiModel, Call, Generate, sse
+from deployments.api.openai import ChatCompletionRequest, chat_prompt
 from engine.types import Output
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -23,7 +27,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                503: "overloaded_error", 504: "api_error"}
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
@@ -31,6 +35,8 @@ def _text_of(content: Any, where: str) -> str:
     """The text of a ``tool_result``'s or a system prompt's content: a string or text blocks."""
     if content is None or isinstance(content, str):
         return content or ""
+    if not isinstance(content, list):
+        raise ValueError(f"{where}: the content must be a string or a list of text blocks")
     parts = []
     for b in content:
         if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
@@ -68,6 +74,8 @@ class MessagesRequest(ApiModel):
     def to_chat(self) -> ChatCompletionRequest:
         return self._chat
 
+    served_as = to_chat
+
     def chat_body(self, max_tokens: int | None = None) -> dict[str, Any]:
         msgs: list[dict[str, Any]] = []
         if self.system:
@@ -100,6 +108,11 @@ class CountTokensRequest(MessagesRequest):
     """``POST /v1/messages/count_tokens``: the same body, without ``max_tokens``."""
 
     max_tokens: int = Field(default=1, ge=1, le=1_000_000)
+
+    def run(self, engine: Engine) -> dict[str, int]:
+        """The prompt tokens the chat request would have (on the engine replica)."""
+        prompt, _, _ = chat_prompt(engine.tokenizer, self.to_chat(), engine.n_ctx_slot)
+        return {"input_tokens": len(engine.tokenize_prompt(prompt))}
 
 
 def _chat_tool(i: int, t: dict[str, Any]) -> dict[str, Any]:
@@ -151,13 +164,14 @@ def _chat_messages(i: int, m: dict[str, Any]) -> list[dict[str, Any]]:
 class MessagesShaper:
     """One ``/v1/messages`` answer: the message object, or its stream of typed events."""
 
-    def __init__(self, rid: str, model: str, tools: ToolSettings | None, prompt_tokens: int = 0) -> None:
-        self.id = "msg_" + rid.split("-", 1)[-1]
-        self.model = model
-        self.tools = tools
+    def __init__(self, a: Answer) -> None:
+        self.id = "msg_" + a.rid.split("-", 1)[-1]
+        self.model = a.model
+        self.tools = tools = a.submitted.tools
         self.parts: list[str] = []
         self._calls = tools.stream() if tools else None
-        self.prompt_tokens = prompt_tokens
+        self.prompt_tokens = a.submitted.prompt_tokens
+        self.last: Output | None = None
         self._text_open = False
         self._index = 0
 
@@ -179,10 +193,13 @@ class MessagesShaper:
             return "stop_sequence", final.stop_word
         return STOP_REASONS.get(str(final.finish_reason), "end_turn"), None
 
-    def add(self, outs: list[Output]) -> None:
-        self.parts.extend(o.text for o in outs)
+    def add(self, batch: list[Output]) -> None:
+        self.parts.extend(o.text for o in batch)
+        self.last = batch[-1]
 
-    def final(self, final: Output) -> dict[str, Any]:
+    def final(self) -> dict[str, Any]:
+        final = self.last
+        assert final is not None
         text = "".join(self.parts)
         calls: list[dict[str, Any]] = []
         if self.tools:
@@ -196,7 +213,7 @@ class MessagesShaper:
 
     @staticmethod
     def event(kind: str, **fields: Any) -> bytes:
-        return f"event: {kind}\ndata: ".encode() + json.dumps({"type": kind, **fields}, ensure_ascii=False).encode() + b"\n\n"
+        return sse({"type": kind, **fields}, kind)
 
     def opening(self) -> bytes:
         usage = {"input_tokens": self.prompt_tokens, "output_tokens": 0}
@@ -211,10 +228,16 @@ class MessagesShaper:
             self._text_open = True
         return out + self.event("content_block_delta", index=self._index, delta={"type": "text_delta", "text": text})
 
-    def delta(self, text: str) -> bytes:
+    def events(self, batch: list[Output]) -> bytes:
+        self.last = batch[-1]
+        text = "".join(o.text for o in batch)
+        if not text:
+            return b""
         return self._text(self._calls.feed(text) if self._calls is not None else text)
 
-    def closing(self, final: Output) -> bytes:
+    def closing(self) -> bytes:
+        final = self.last
+        assert final is not None
         out, calls = b"", []
         if self._calls is not None:
             rest, calls = self._calls.finish()
@@ -245,3 +268,11 @@ def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
         args = {"_raw": fn["arguments"]}
     return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": fn["name"], "input": args}
 
+
+
+MESSAGES = Generate(("/v1/messages",), MessagesRequest, "msg-", MessagesShaper, error=error_body,
+                    summary="Anthropic's Messages API; its errors in Anthropic's shape")
+COUNT_TOKENS = Call(("/v1/messages/count_tokens",), CountTokensRequest, lambda engine, req: engine.run.remote(req),
+                    error=error_body, summary="Anthropic's token count of a Messages request")
+
+ENDPOINTS = (MESSAGES, COUNT_TOKENS)

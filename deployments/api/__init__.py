@@ -1,0 +1,13 @@
+"""The HTTP APIs, one module each: OpenAI's (``openai``, ``responses``), llama-server's
+(``llama``) and Anthropic's (``anthropic``). A module holds its request models, how their
+prompts are made (run on the engine replica), its answer shapers and its endpoint objects
+(``ENDPOINTS``), plus routes of its own that are not a body and an answer (``ROUTES``). The
+ingress serves every endpoint of every module; adding an API is adding a module here."""
+
+from __future__ import annotations
+
+from deployments.api import anthropic, llama, openai, responses
+
+APIS = (openai, responses, llama, anthropic)
+ENDPOINTS = tuple(ep for api in APIS for ep in api.ENDPOINTS)
+ROUTES = tuple(r for api in APIS for r in getattr(api, "ROUTES", ()))

@@ -1,0 +1,330 @@
+"""What every API module is made of: the body boundary (JSON in, a validated request out,
+or a 4xx), error values and shapes, JSON out with no non-finite number, and the two kinds of
+endpoint object the ingress serves (a generating endpoint with its shaper, a call).
+
+The boundary holds by construction: whatever a body holds, ``read_request`` ends in the
+request or in a ``BodyError`` (a 400 naming the field where one is known), never in
+another exception; the shapers write with ``dumps``, which cannot write NaN or Infinity.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
+
+MAX_PROMPT_CHARS = 1_000_000
+MAX_JSON_DEPTH = 64  # objects and arrays inside each other in a request body
+MAX_FIELD_NAME = 100  # characters of an unknown field's name that are kept (logged, counted)
+MAX_UNKNOWN_PER_BODY = 32  # unknown field names kept of one body
+NEG_INF_LOGPROB = -9999.0  # how OpenAI and vLLM write a log probability of minus infinity
+
+
+class BodyError(ValueError):
+    """A body this server cannot take: the client's fault (400 unless ``status`` says else)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise BodyError(f"the body holds the number {text[:40]}, which is not finite")
+    return v
+
+
+def _no_constant(name: str) -> float:
+    raise BodyError(f"the body holds {name}, which is not JSON (non-finite numbers are refused)")
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body as JSON, or ``BodyError`` with what is wrong: not JSON, not an object,
+    nested deeper than ``MAX_JSON_DEPTH``, a number that is not finite (``NaN``, ``Infinity``,
+    ``1e999``), or text that is not Unicode (a lone surrogate escape such as ``"\\ud800"``
+    parses, but no answer that echoes it could be encoded)."""
+    try:
+        body = json.loads(raw, parse_float=_finite_float, parse_constant=_no_constant)
+    except BodyError:
+        raise
+    except RecursionError:
+        raise BodyError(f"the body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BodyError(f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BodyError("the body must be a JSON object")
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise BodyError(f"the body nests deeper than {MAX_JSON_DEPTH} levels")
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in items:
+            for text in (k, v):
+                if isinstance(text, str) and not text.isascii():
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise BodyError("the body holds a lone surrogate (\\ud800-\\udfff escape) that is "
+                                        "not text") from None
+            if isinstance(v, dict | list):
+                stack.append((v, depth + 1))
+    return body
+
+
+class ApiModel(BaseModel):
+    """A request body read as llama-server and vLLM read theirs: a field it does not know is
+    set aside (its name, cut to ``MAX_FIELD_NAME`` characters, goes to the validation
+    context's ``unknown`` list, for the ingress to log and count, or to refuse with
+    ``strict_request_fields``), and ``null`` is the field's default, for every field."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lenient(cls, data: Any, info: ValidationInfo) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = cls.model_fields
+        unknown = [k for k in data if k not in known]
+        names = info.context.get("unknown") if info.context is not None else None
+        if unknown and names is not None:
+            qualified = info.context.get("qualified")
+            for k in unknown[:max(0, MAX_UNKNOWN_PER_BODY - len(names))]:
+                k = str(k)[:MAX_FIELD_NAME]
+                names.append(f"{cls.__name__}.{k}" if qualified else k)
+        return {k: v for k, v in data.items() if v is not None and k in known}
+
+    def served_as(self) -> Any:
+        """The request the engine runs for this one: itself, or (Responses, Messages) the chat
+        request it is served as."""
+        return self
+
+
+def validation_message(e: ValidationError) -> tuple[str, str | None]:
+    """The first errors of a validation, each with its field, and the first field's name."""
+    parts, first = [], None
+    for err in e.errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        first = first or loc or None
+        msg = str(err.get("msg", "invalid"))[:300]
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts), first
+
+
+def read_request(model_cls: type[BaseModel], body: dict[str, Any], strict: bool = False) -> tuple[Any, list[str]]:
+    """``body`` as ``model_cls`` and the names of the fields it ignored, or ``BodyError``:
+    whatever a validator or a conversion it calls raises on a body of the wrong shape (a
+    TypeError or an AttributeError too, which pydantic lets through) is the client's 400.
+    ``strict``: ignored fields are a 400 too."""
+    unknown: list[str] = []
+    try:
+        req = model_cls.model_validate(body, context={"unknown": unknown})
+    except ValidationError as e:
+        message, param = validation_message(e)
+        raise BodyError(message, param) from None
+    except BodyError:
+        raise
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError) as e:
+        raise BodyError(f"the body's shape is not one {model_cls.__name__} takes: {str(e)[:300] or type(e).__name__}") \
+            from None
+    if strict and unknown:
+        raise BodyError(f"unknown fields {sorted(set(unknown))}: Extra inputs are not permitted "
+                        "(strict_request_fields is on)")
+    return req, unknown
+
+
+def validate_body(model_cls: type[BaseModel], body: dict[str, Any], strict: bool = False) -> tuple[Any, list[str]]:
+    """``read_request`` (the name the tests and tools know)."""
+    return read_request(model_cls, body, strict)
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+ERROR_TYPES = {  # OpenAI's error type of each status we answer with
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    501: "not_supported_error",
+    503: "server_error",
+    504: "timeout_error",
+}
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "server_error")
+
+
+def error_body(message: str, type_: str, code: int | str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def openai_error(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return error_body(message, error_type(status), status, param)
+
+
+ErrorShape = Callable[..., dict[str, Any]]  # (status, message[, param]) -> the error body
+
+
+@dataclass(frozen=True)
+class ApiError:
+    """An error answer as a value: what the engine returns across Ray for the ingress to send."""
+
+    status: int
+    message: str
+
+    @property
+    def type(self) -> str:
+        return error_type(self.status)
+
+
+class HTTPError(Exception):
+    """An error answer raised in the ingress; sent in the endpoint's own error shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+# ---- JSON out ------------------------------------------------------------------------------------
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float replaced: minus infinity (a log probability of a
+    token the chain removed) as ``NEG_INF_LOGPROB``, plus infinity as its opposite, NaN as null."""
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return obj
+        if math.isnan(obj):
+            return None
+        return NEG_INF_LOGPROB if obj < 0 else -NEG_INF_LOGPROB
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def dumps(obj: Any) -> str:
+    """JSON text that any client can read: never NaN or Infinity (``finite``), Unicode as is.
+    The common case costs one ``json.dumps``; only an answer holding a non-finite number is
+    walked."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return json.dumps(finite(obj), ensure_ascii=False, allow_nan=False)
+
+
+def sse(obj: Any, event: str | None = None) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + dumps(obj).encode() + b"\n\n"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+# ---- choices -------------------------------------------------------------------------------------
+
+
+def member_ids(rid: str, n: int) -> list[str]:
+    """The engine's request id of each choice of a request with ``n`` choices."""
+    return [rid] + [f"{rid}#{i}" for i in range(1, n)]
+
+
+def choice_index(request_id: str) -> int:
+    _, sep, tail = request_id.rpartition("#")
+    return int(tail) if sep else 0
+
+
+def by_choice(batch: list[Any]) -> dict[int, list[Any]]:
+    """A batch of outputs split per choice, each in arrival order."""
+    out: dict[int, list[Any]] = {}
+    for o in batch:
+        out.setdefault(choice_index(o.request_id), []).append(o)
+    return out
+
+
+# ---- the endpoint objects ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a shaper is made from: one request, as the engine replica took it."""
+
+    rid: str
+    model: str  # the served model's name
+    request: Any  # the API's request, validated
+    run: Any  # the request the engine runs (a Responses or Messages request's chat request)
+    submitted: Any  # api.values.Submitted
+
+
+class Shaper(Protocol):
+    """One request's answer in its API's shape: ``add`` each batch of outputs and ``final``
+    (the whole answer's JSON body), or, streamed, ``opening``, ``events`` per batch and
+    ``closing`` after every choice's last output, or ``failed`` in its place."""
+
+    def add(self, batch: list[Any]) -> None: ...
+
+    def final(self) -> Any: ...
+
+    def opening(self) -> bytes: ...
+
+    def events(self, batch: list[Any]) -> bytes: ...
+
+    def closing(self) -> bytes: ...
+
+    def failed(self, status: int, message: str) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class Generate:
+    """A generating endpoint: its paths (the first documented), the request model that reads
+    its body, the id prefix of its answers, the shaper of its answer and its error shape."""
+
+    paths: tuple[str, ...]
+    request: type[BaseModel]
+    id_prefix: str
+    shaper: Callable[[Answer], Shaper]
+    error: ErrorShape = openai_error
+    summary: str = ""
+
+
+@dataclass(frozen=True)
+class Call:
+    """An endpoint whose body is one call on the engine replica and one JSON answer:
+    ``call(engine_handle, request)`` is awaited; ``answer(result, request, model)`` is the
+    body of a result that is not an ``ApiError``."""
+
+    paths: tuple[str, ...]
+    request: type[BaseModel]
+    call: Callable[[Any, Any], Awaitable[Any]]
+    answer: Callable[[Any, Any, str], Any] = lambda result, _req, _model: result
+    error: ErrorShape = openai_error
+    summary: str = ""
+
+
+Endpoint = Generate | Call

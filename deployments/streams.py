@@ -1,0 +1,296 @@
+"""The output streams between the ingress and the engine replicas, both halves.
+
+Tokens leave an engine replica in per-step batches: each ingress replica holds one long-lived
+stream (the engine's ``outputs``) from each engine replica, carrying the outputs of every
+request it submitted there, as many steps as have accumulated since its last read in one
+item. A Ray item costs about a millisecond of CPU, so one item per token per request would
+cost more than the model on a small box.
+
+Every opening of a stream has its own connection id; a request is submitted on the current
+connection and registered in the ingress first, so no output can arrive for an unknown
+request, and a stream that ends fails only its own requests (503, retry) in the ingress and
+cancels only its own requests in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+from deployments.api.base import HTTPError, member_ids
+from deployments.router import known_replicas
+from engine.types import FinishReason, Output
+
+log = logging.getLogger(__name__)
+
+_BACKGROUND: set[asyncio.Task] = set()  # strong references until done
+
+
+def detached(coro: Coroutine) -> asyncio.Task:
+    """Run ``coro`` outside the HTTP request that asked for it. Serve cancels the handle
+    calls made in a request's context when that request ends or its client goes away: the
+    shared output stream, or a cancel sent as a client leaves, must not go with it."""
+    task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    return task
+
+
+# ---- the engine's half ---------------------------------------------------------------------------
+
+CLOSE = object()  # ends an output stream
+
+
+class Conn:
+    """One output stream to one ingress replica: its queue and the requests it carries."""
+
+    def __init__(self, ingress_id: str, conn_id: str) -> None:
+        self.ingress_id, self.id = ingress_id, conn_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.requests: set[str] = set()
+
+
+class EngineStreams:
+    """An engine replica's streams: which stream each request's outputs go to."""
+
+    def __init__(self, observe: Callable[[Output], None], cancel: Callable[[str], Any]) -> None:
+        self.owner: dict[str, Conn] = {}  # request id -> the stream its outputs go to
+        self.conns: dict[str, Conn] = {}  # connection id -> stream
+        self._observe, self._cancel = observe, cancel
+
+    def deliver(self, outs: list[Output]) -> None:
+        """One step's outputs, each to its request's stream (on the event loop)."""
+        per_conn: dict[Conn, list[Output]] = defaultdict(list)
+        for o in outs:
+            conn = self.owner.get(o.request_id)
+            if o.finish_reason is not None:
+                self.owner.pop(o.request_id, None)
+                if conn is not None:
+                    conn.requests.discard(o.request_id)
+            self._observe(o)
+            if conn is not None:
+                per_conn[conn].append(o)
+        for conn, items in per_conn.items():
+            conn.queue.put_nowait(items)
+
+    def take(self, conn_id: str, ids: list[str]) -> Conn | None:
+        """Send the outputs of ``ids`` by stream ``conn_id``; None: that stream is gone."""
+        conn = self.conns.get(conn_id)
+        if conn is not None:
+            for m in ids:
+                self.owner[m] = conn
+                conn.requests.add(m)
+        return conn
+
+    def drop(self, conn: Conn, ids: list[str]) -> None:
+        for m in ids:
+            self.owner.pop(m, None)
+            conn.requests.discard(m)
+
+    async def serve(self, ingress_id: str, conn_id: str, hello: Any) -> AsyncIterator[Any]:
+        """The stream ``conn_id``: ``hello``, then lists of outputs until it is closed; when it
+        ends, its requests are cancelled."""
+        conn = self.conns[conn_id] = Conn(ingress_id, conn_id)
+        q = conn.queue
+        try:
+            yield hello
+            while True:
+                batch = await q.get()
+                if batch is CLOSE:
+                    return
+                while not q.empty():
+                    more = q.get_nowait()
+                    if more is CLOSE:
+                        yield batch
+                        return
+                    batch.extend(more)
+                yield batch
+        finally:
+            if self.conns.get(conn_id) is conn:
+                del self.conns[conn_id]
+            for rid in list(conn.requests):
+                self.owner.pop(rid, None)
+                self._cancel(rid)
+            conn.requests.clear()
+
+    def close(self, conn_id: str) -> bool:
+        conn = self.conns.get(conn_id)
+        if conn is not None:
+            conn.queue.put_nowait(CLOSE)
+        return conn is not None
+
+    def cut_all(self, reason: str) -> int:
+        """End every request with a 503 towards its client, and close every stream (Serve's
+        drain of this replica must not wait on them)."""
+        cut = list(self.owner.items())
+        for rid, conn in cut:
+            conn.requests.discard(rid)
+            conn.queue.put_nowait([Output(rid, "", 0, FinishReason.ERROR, error=reason, status=503)])
+        self.owner.clear()
+        for conn in self.conns.values():
+            conn.queue.put_nowait(CLOSE)
+        return len(cut)
+
+
+# ---- the ingress's half --------------------------------------------------------------------------
+
+
+class Pending:
+    """A request waiting for outputs: its queue (every choice's outputs) and the output
+    stream it came by."""
+
+    __slots__ = ("rid", "queue", "conn", "replica", "finished", "echo", "n")
+
+    def __init__(self, rid: str, n: int = 1) -> None:
+        self.rid = rid
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.conn: str | None = None  # set once an engine replica took it
+        self.replica: str | None = None
+        self.finished = False
+        self.echo: str | None = None
+        self.n = n  # choices
+
+
+class IngressStreams:
+    """An ingress replica's streams: one per engine replica (pair) that the router knows of;
+    before it knows any, one to whichever replica Serve picks. Outputs go to the queue of
+    the request they belong to."""
+
+    def __init__(self, engine: Any, connect_timeout_s: float) -> None:
+        self.engine = engine
+        self.connect_timeout_s = connect_timeout_s
+        self.ingress_id = uuid.uuid4().hex
+        self.pending: dict[str, Pending] = {}
+        self.discover_task: asyncio.Task | None = None
+        self.pumps: dict[str | None, asyncio.Task] = {}  # by the replica asked for (None: any)
+        self.streams: dict[str, str] = {}  # engine replica id -> the output stream's connection id
+        self._opening: dict[str | None, str] = {}  # a pump's stream being opened: its connection id
+        self.connected = asyncio.Event()  # at least one output stream is up
+
+    @property
+    def _deployment(self) -> str:
+        return getattr(self.engine, "deployment_name", "engine")
+
+    def known(self) -> set[str]:
+        return known_replicas(self._deployment)
+
+    def ensure(self) -> None:
+        if self.discover_task is None or self.discover_task.done():
+            self.discover_task = detached(self._discover())
+
+    async def _discover(self) -> None:
+        try:  # a first call makes the handle's router, which then learns the replicas
+            await asyncio.wait_for(self.engine.info.remote(), self.connect_timeout_s)
+        except Exception as e:  # no replica yet: the streams wait for one
+            log.info("engine not answering yet: %s", e)
+        while True:
+            known = self.known()
+            if not known:  # a handle without the pair router (or no replica yet): one stream to any
+                if None not in self.pumps or self.pumps[None].done():
+                    self.pumps[None] = detached(self._pump(None))
+            elif self._reaching_any():
+                pass  # which replica the first stream reaches shows when it registers: no second one to it
+            else:
+                for rid in known - set(self.streams):
+                    if rid not in self.pumps or self.pumps[rid].done():
+                        self.pumps[rid] = detached(self._pump(rid))
+                for rid in [r for r in self.pumps if r is not None and r not in known]:
+                    self.pumps.pop(rid).cancel()
+            await asyncio.sleep(1.0 if self.streams else 0.2)
+
+    def _reaching_any(self) -> bool:
+        """Whether the stream to any replica (opened while the router knew none) is still being
+        opened: once the router knows replicas, a stream per replica would otherwise be opened
+        to the same one and two streams would hold it."""
+        anyone = self.pumps.get(None)
+        return anyone is not None and not anyone.done() and None in self._opening
+
+    async def _pump(self, target: str | None) -> None:
+        """Hold one output stream from an engine replica, with a fresh connection id each time
+        it is opened. When a stream ends, only the requests submitted on it fail (503, retry)."""
+        backoff = 0.2
+        while True:
+            known = self.known()
+            if (target is None and known) or (target is not None and known and target not in known):
+                return  # the streams per replica take over; or this replica is gone
+            conn, replica = uuid.uuid4().hex, None
+            self._opening[target] = conn
+            try:
+                gen = self.engine.options(stream=True).outputs.remote(self.ingress_id, conn, replica=target)
+                async for batch in gen:
+                    if isinstance(batch, dict):
+                        if "refused" in batch:  # stopping, or not the replica asked for
+                            log.info("engine replica refused the output stream: %s", batch["refused"])
+                            break
+                        replica = batch["connected"]  # the engine replica registered this stream
+                        self.streams[replica] = conn
+                        self._opening.pop(target, None)
+                        self.connected.set()
+                        backoff = 0.2
+                        continue
+                    for o in batch:  # Outputs, as the engine made them
+                        p = self.pending.get(o.request_id)
+                        if p is not None:
+                            p.queue.put_nowait(o)
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():  # the ingress is stopping
+                    raise
+                log.warning("output stream %s from the engine was cancelled", conn[:8])
+            except Exception as e:  # the engine replica died or is being replaced
+                log.warning("output stream %s from the engine ended: %s", conn[:8], e)
+            finally:
+                if self._opening.get(target) == conn:
+                    del self._opening[target]
+                if replica is not None and self.streams.get(replica) == conn:
+                    del self.streams[replica]
+                if not self.streams:
+                    self.connected.clear()
+            self.fail_stream(conn)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    def fail_stream(self, conn: str) -> None:
+        lost = {id(p): p for p in self.pending.values() if p.conn == conn}
+        for p in lost.values():
+            for m in member_ids(p.rid, p.n):
+                p.queue.put_nowait(Output(m, "", 0, FinishReason.ERROR, error="the engine replica restarted; retry the request",
+                                          status=503))
+
+    async def connection(self) -> dict[str, str]:
+        """The output streams requests can be submitted on, by engine replica."""
+        self.ensure()
+        if not self.connected.is_set():
+            try:
+                await asyncio.wait_for(self.connected.wait(), self.connect_timeout_s)
+            except TimeoutError:
+                raise HTTPError(503, "the engine is not available (starting or restarting); retry",
+                                headers={"Retry-After": "2"}) from None
+        return dict(self.streams)
+
+    def register(self, rid: str, n: int) -> Pending:
+        p = Pending(rid, n)
+        for m in member_ids(rid, n):
+            self.pending[m] = p
+        return p
+
+    def forget(self, rid: str, n: int) -> None:
+        for m in member_ids(rid, n):
+            self.pending.pop(m, None)
+
+    async def close(self) -> None:
+        """End this replica's streams at the engines (whose graceful shutdown otherwise waits
+        out its timeout on them: a caller that goes away does not end a streaming call there)."""
+        streams = dict(self.streams)
+        for t in [self.discover_task, *self.pumps.values()]:
+            if t is not None:
+                t.cancel()
+        for replica, conn in streams.items():
+            try:
+                await asyncio.wait_for(self.engine.close_stream.remote(conn, replica=replica), 5.0)
+            except Exception:  # the engine is gone or going: nothing holds it
+                pass
