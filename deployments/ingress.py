@@ -8,8 +8,6 @@ endpoint's shaper, whole or streamed; every error in the endpoint's own shape. A
 goes away cancels its request in the engine.
 """
 
-from __future__ import annotations
-
 import asyncio
 import hmac
 import json
@@ -50,6 +48,8 @@ from observability.process import rss_bytes
 
 log = logging.getLogger(__name__)
 
+# no ``from __future__ import annotations`` here: Serve rewrites the signatures of the class's
+# routes, and FastAPI must see ``Request`` itself, not its name, in them
 # the documentation routes are the ingress's own, behind the API key like every route
 app = FastAPI(title="pipeline-groups OpenAI-compatible API", version="0.1.0",
               docs_url=None, redoc_url=None, openapi_url=None)
@@ -134,7 +134,7 @@ class Answering(JSONResponse):
 _CURRENT: list[Any] = []  # an Ingress made outside Serve (tests)
 
 
-def _ingress(required: bool = True) -> Ingress | None:
+def _ingress(required: bool = True) -> "Ingress | None":
     """The Ingress of this replica: the routes below are plain functions, and Serve pickles the
     class by value (a global its methods set is not the one a route reads): ask Serve."""
     try:
@@ -257,12 +257,6 @@ class Ingress:
 
     def _validate(self, model_cls: type, body: dict) -> Any:
         req, unknown = read_request(model_cls, body, self.strict)
-        sampling = getattr(req.served_as(), "sampling", None)
-        if sampling is not None:  # a generating request: its sampling fields hold together
-            try:
-                sampling(1)
-            except (ValueError, TypeError) as e:
-                raise BodyError(str(e)[:500]) from None
         for name in unknown:
             if name not in self.ignored_fields:
                 log.warning("ignoring the unknown request field %r (logged once; set strict_request_fields to "

@@ -65,6 +65,11 @@ class Candidates:
         return self._ref
 
 
+# llama.cpp's infill sampler compares every pair of candidates for a shared prefix, each token:
+# on a 262k vocabulary that is hours a token. The chain always cuts the candidates to this many
+# before it (as llama.vscode's own chain does with top_k 40), where no top-k as small comes first.
+INFILL_MAX_CANDIDATES = 128
+
 _local = threading.local()
 
 
@@ -136,6 +141,7 @@ class SamplerChain:
         p = params
         keep = max(1, p.min_keep)
         greedy = p.temperature <= 0.0
+        bounded = False  # a top-k of at most INFILL_MAX_CANDIDATES is in the chain so far
         for name in p.order:
             if name == "penalties" and self.penalised:
                 last_n = p.repeat_last_n if p.repeat_last_n >= 0 else 4096
@@ -146,6 +152,9 @@ class SamplerChain:
             elif name == "infill":  # merges candidates that share a prefix; an end of the middle ends it
                 if self.vocab is None:
                     raise ValueError("the infill sampler needs the model's vocabulary")
+                if not bounded:  # its cost is the square of the candidates: never the whole vocabulary
+                    add(chain, llama_cpp.llama_sampler_init_top_k(INFILL_MAX_CANDIDATES))
+                    bounded = True
                 add(chain, llama_cpp.llama_sampler_init_infill(self.vocab))
             elif greedy or p.mirostat:
                 continue  # greedy and mirostat take the whole distribution after the penalties
@@ -153,6 +162,7 @@ class SamplerChain:
                 add(chain, llama_cpp.llama_sampler_init_top_n_sigma(p.top_n_sigma))
             elif name == "top_k" and p.top_k > 0:
                 add(chain, llama_cpp.llama_sampler_init_top_k(p.top_k))
+                bounded = bounded or p.top_k <= INFILL_MAX_CANDIDATES
             elif name == "typ_p" and p.typical_p < 1.0:
                 add(chain, llama_cpp.llama_sampler_init_typical(p.typical_p, keep))
             elif name == "top_p" and p.top_p < 1.0:

@@ -86,3 +86,32 @@ def test_the_infill_sampler_runs_where_asked(fim_engine):
     prompt = infill_tokens(tok, "def f(x):\n    return", "\n", "", [], 64, fim_engine.n_ctx_slot, 8)
     c = fim_engine.generate(prompt, SamplingParams(temperature=0.8, seed=2, max_tokens=8, samplers=("top_k", "top_p", "infill")))
     assert c.final.finish_reason in ("stop", "length") and c.final.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("samplers, top_k, cut", [
+    (("infill",), 40, True),  # top_k 40 is not in the chain's order: the chain cuts before infill
+    (("top_k", "infill"), 0, True),  # top_k off
+    (("top_k", "infill"), 100_000, True),  # a top-k wider than the bound
+    (("infill", "top_k"), 40, True),  # the top-k comes after infill
+    (("top_k", "top_p", "infill"), 40, False),  # llama.vscode's own chain: already bounded
+])
+def test_the_infill_sampler_never_sees_the_whole_vocabulary(fim_engine, samplers, top_k, cut):
+    """llama.cpp's infill sampler is quadratic in its candidates (hours a token on 262,144): a
+    top-k of at most INFILL_MAX_CANDIDATES always comes before it (bench/samplers.py measures it)."""
+    import llama_cpp
+
+    from engine import SamplingParams
+    from engine.sampling import INFILL_MAX_CANDIDATES, SamplerChain
+
+    model = fim_engine.model
+    chain = SamplerChain(SamplingParams(max_tokens=1, seed=1, top_k=top_k, samplers=samplers), model.n_vocab,
+                         vocab=model.vocab)
+    try:
+        names = [llama_cpp.llama_sampler_name(llama_cpp.llama_sampler_chain_get(chain.ptr, i)).decode()
+                 for i in range(llama_cpp.llama_sampler_chain_n(chain.ptr))]
+        before = names[:names.index("infill")]
+        assert "top-k" in before, names
+        assert (before.count("top-k") == 2 or before == ["top-k"]) if cut else before.count("top-k") == 1, names
+    finally:
+        chain.close()
+    assert INFILL_MAX_CANDIDATES <= 256

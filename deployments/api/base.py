@@ -106,6 +106,10 @@ class ApiModel(BaseModel):
         request it is served as."""
         return self
 
+    def check(self) -> None:
+        """What the fields mean together, checked once the body is read (a generating request:
+        its sampling); raises what a bad body causes."""
+
 
 def validation_message(e: ValidationError) -> tuple[str, str | None]:
     """The first errors of a validation, each with its field, and the first field's name."""
@@ -126,6 +130,8 @@ def read_request(model_cls: type[BaseModel], body: dict[str, Any], strict: bool 
     unknown: list[str] = []
     try:
         req = model_cls.model_validate(body, context={"unknown": unknown})
+        if isinstance(req, ApiModel):
+            req.served_as().check()
     except ValidationError as e:
         message, param = validation_message(e)
         raise BodyError(message, param) from None

@@ -241,6 +241,9 @@ class GenerationRequest(ApiModel):
         """How many alternatives each token's log probability comes with; None: not asked."""
         return self.n_probs
 
+    def check(self) -> None:
+        self.sampling(1)  # the sampling fields hold together (and a grammar compiles its limits)
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
