@@ -16,6 +16,7 @@ APP = {
     "n_threads": 1,
     "max_queued_requests": 64,
     "rpc": {"port": 50152, "threads": 1},
+    "cors_origins": ["http://localhost:5173"],  # a listed web page (tests/e2e/test_guard_http.py)
 }
 
 
