@@ -98,3 +98,74 @@ def test_response_fields_pick_and_unnest():
     assert pick_fields(body, ["content", "timings/prompt_n", "generation_settings/n_ctx", "missing", "content/x"]) == \
         {"content": "x", "prompt_n": 3, "n_ctx": 512}
     assert pick_fields(body, None) is body
+
+
+def test_responses_tools_and_their_items_become_the_chat_request():
+    from deployments.api.base import BodyError, read_request
+
+    body = {"input": [{"role": "user", "content": "weather?"},
+                      {"type": "function_call", "id": "fc_1", "call_id": "call_a", "name": "w", "arguments": "{\"c\": 1}",
+                       "status": "completed"},
+                      {"type": "function_call", "call_id": "call_b", "name": "w", "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "call_a", "output": "sunny"},
+                      {"type": "function_call_output", "call_id": "call_b",
+                       "output": [{"type": "input_text", "text": "rain"}]},
+                      {"type": "reasoning", "summary": []}],
+            "tools": [{"type": "function", "name": "w", "parameters": {"type": "object"}, "strict": True}],
+            "tool_choice": {"type": "function", "name": "w"}, "parallel_tool_calls": False}
+    chat = read_request(ResponsesRequest, body)[0].to_chat()
+    msgs = chat.template_messages()
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "tool"]
+    assert [c["id"] for c in msgs[1]["tool_calls"]] == ["call_a", "call_b"]  # one turn's calls: one message
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"c": 1} and msgs[3]["content"] == "rain"
+    assert chat.tools[0]["function"]["name"] == "w" and chat.tool_choice == {"type": "function", "function": {"name": "w"}}
+    assert chat.parallel_tool_calls is False
+    for bad, where in (({"tools": [{"type": "web_search"}]}, "tools[0]"), ({"tool_choice": "sometimes"}, "tool_choice"),
+                       ({"input": [{"type": "image_generation_call"}]}, "input[0]")):
+        with pytest.raises(BodyError, match=where.replace("[", r"\[").replace("]", r"\]")):
+            read_request(ResponsesRequest, {"input": "x", **bad})
+
+
+def _events(raw: bytes) -> list[dict]:
+    import json
+
+    return [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_responses_answer_with_tool_calls_in_openais_own_types(streamed):
+    """Each event and the response validate against the openai SDK's own models, strictly."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from deployments.api.base import Answer, read_request
+    from deployments.api.responses import ResponsesShaper
+    from deployments.api.values import Submitted, ToolSettings
+
+    req = read_request(ResponsesRequest, {"input": "x", "stream": streamed, "tools": [
+        {"type": "function", "name": "w", "parameters": {"type": "object"}, "strict": False}]})[0]
+    sub = Submitted(3, 20, "r", "c", 512, tools=ToolSettings(("w",), True))
+    shaper = ResponsesShaper(Answer("resp_abc", "m", req, req.to_chat(), sub))
+    pieces = ["Let me see. <tool_", 'call>{"name": "w", "arguments": {"c": 1}}</tool_call>',
+              '<tool_call>{"name": "w", "arguments": {}}</tool_call>']
+    outs = [Output("resp_abc", t, 1) for t in pieces[:-1]]
+    outs.append(Output("resp_abc", pieces[-1], 1, FinishReason.STOP, prompt_tokens=3, completion_tokens=3))
+    if streamed:
+        raw = shaper.opening() + b"".join(shaper.events([o]) for o in outs) + shaper.closing()
+        events = _events(raw)
+        for e in events:
+            TypeAdapter(ResponseStreamEvent).validate_python(e, strict=False)
+        kinds = [e["type"] for e in events]
+        assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+        assert kinds.count("response.function_call_arguments.done") == 2
+        body = events[-1]["response"]
+        deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        assert "tool_call" not in deltas and deltas.strip() == "Let me see."
+    else:
+        shaper.add(outs)
+        body = shaper.final()
+    r = Response.model_validate(body)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert [c.name for c in calls] == ["w", "w"] and [c.arguments for c in calls] == ['{"c": 1}', "{}"]
+    assert r.output[0].type == "message" and r.output[0].content[0].text.strip() == "Let me see."
+    assert r.status == "completed" and r.tools[0].name == "w"

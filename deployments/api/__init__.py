@@ -10,4 +10,4 @@ from deployments.api import anthropic, llama, openai, responses
 
 APIS = (openai, responses, llama, anthropic)
 ENDPOINTS = tuple(ep for api in APIS for ep in api.ENDPOINTS)
-ROUTES = tuple(r for api in APIS for r in getattr(api, "ROUTES", ()))
+ROUTES = tuple(r for api in APIS for r in api.ROUTES)

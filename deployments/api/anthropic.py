@@ -59,6 +59,11 @@ class MessagesRequest(ApiModel):
     stream: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = Field(
+        default=None, description='Structured outputs: {"format": {"type": "json_schema", "schema": {...}}} (what '
+        "the SDK's messages.parse sends); the answer's text matches the schema, as OpenAI's response_format.")
+    output_format: dict[str, Any] | None = Field(default=None, description="The older SDKs' top-level form of "
+                                                 "output_config.format.")
     # accepted; nothing here changes with them
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
@@ -91,6 +96,9 @@ class MessagesRequest(ApiModel):
                 body[k] = getattr(self, k)
         if self.tools:
             body["tools"] = [_chat_tool(i, t) for i, t in enumerate(self.tools)]
+        fmt = self._output_format()
+        if fmt is not None:  # the schema goes the one path every schema goes (engine.grammar)
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt}}
         if self.tool_choice:
             kind = self.tool_choice.get("type")
             choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
@@ -102,6 +110,18 @@ class MessagesRequest(ApiModel):
             if self.tool_choice.get("disable_parallel_tool_use"):
                 body["parallel_tool_calls"] = False
         return body
+
+
+    def _output_format(self) -> dict[str, Any] | None:
+        fmt = (self.output_config or {}).get("format")
+        if fmt is not None and self.output_format is not None:
+            raise ValueError("give output_config.format or output_format, not both")
+        fmt = fmt if fmt is not None else self.output_format
+        if fmt is None:
+            return None
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise ValueError('output_config.format must be {"type": "json_schema", "schema": {...}}')
+        return fmt["schema"]
 
 
 class CountTokensRequest(MessagesRequest):
@@ -276,3 +296,4 @@ COUNT_TOKENS = Call(("/v1/messages/count_tokens",), CountTokensRequest, lambda e
                     error=error_body, summary="Anthropic's token count of a Messages request")
 
 ENDPOINTS = (MESSAGES, COUNT_TOKENS)
+ROUTES = ()

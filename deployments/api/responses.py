@@ -1,7 +1,9 @@
-"""OpenAI's Responses API (``POST /v1/responses``): text in, text out, served as a chat request;
-the response object and its stream of typed events (created, the message item and its text
-part, text deltas, then completed). Nothing is stored: ``previous_response_id`` and ``tools``
-are refused."""
+"""OpenAI's Responses API (``POST /v1/responses``), served as a chat request: text and function
+tools in (``function_call`` and ``function_call_output`` items carry a tool loop's turns), the
+response object out with its message and ``function_call`` items, or its stream of typed events
+(created; the message item, its text part and text deltas; each call's item, its arguments'
+delta and done; then completed). Nothing is stored: ``previous_response_id`` is refused (send
+the whole input, as the Agents SDK does by default)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,42 @@ from deployments.api.base import Answer, ApiModel, Generate, now, sse
 from deployments.api.generation import sampling_field
 from deployments.api.openai import ChatCompletionRequest
 from engine.types import Output
+
+TEXT_PARTS = ("input_text", "output_text", "text")
+SKIPPED_ITEMS = ("reasoning",)  # an earlier turn's reasoning summary: not part of the prompt here
+
+
+def _text(content: Any, where: str) -> str:
+    """The text of a content list (text parts only) or a string."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}: the content must be a string or a list of text parts")
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}[{j}]: only text content parts (objects) are supported")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _chat_tool(i: int, t: Any) -> dict[str, Any]:
+    if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
+        kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+        raise ValueError(f"tools[{i}]: only function tools ({{type: function, name, parameters}}) are supported, "
+                         f"not {str(kind)[:40]!r}")
+    fn: dict[str, Any] = {"name": t["name"], "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
+    if t.get("description"):
+        fn["description"] = t["description"]
+    return {"type": "function", "function": fn}
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if choice is None or choice in ("auto", "required", "none"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise ValueError('tool_choice must be "auto", "required", "none" or {"type": "function", "name": ...}')
 
 
 class ResponsesRequest(ApiModel):
@@ -26,11 +64,12 @@ class ResponsesRequest(ApiModel):
     top_p: float | None = sampling_field("top_p")
     stream: bool = False
     text: dict[str, Any] | None = Field(default=None, description='{"format": {"type": "text" | "json_object" | "json_schema", ...}}')
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[dict[str, Any]] | None = Field(default=None, description="Function tools: {type: function, name, "
+                                               "description, parameters}; other tool types are a 400.")
+    tool_choice: Any = Field(default=None, description='"auto", "required", "none" or {"type": "function", "name"}.')
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
-    truncation: Literal["disabled"] | None = None
+    truncation: Literal["disabled", "auto"] | None = None
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = Field(default=None, description="Extra output to include (the OpenAI Agents SDK "
                                       "sends []); nothing beyond the text is produced, so entries are ignored.")
@@ -39,14 +78,13 @@ class ResponsesRequest(ApiModel):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    prompt_cache_key: str | None = None
     _chat: ChatCompletionRequest | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _check(self) -> ResponsesRequest:
         if self.previous_response_id is not None:
             raise ValueError("previous_response_id is not supported: responses are not stored; send the whole input")
-        if self.tools:
-            raise ValueError("tools are not supported on /v1/responses; use /v1/chat/completions")
         self._chat = self._chat_request()  # validated here, once; to_chat() hands it out
         return self
 
@@ -55,18 +93,26 @@ class ResponsesRequest(ApiModel):
         if isinstance(self.input, str):
             return [*msgs, {"role": "user", "content": self.input}]
         for i, item in enumerate(self.input):
-            if item.get("type", "message") != "message" or "role" not in item:
-                raise ValueError(f"input[{i}]: only message items (role and content) are supported")
-            content = item.get("content")
-            if isinstance(content, list):
-                parts = []
-                for j, part in enumerate(content):
-                    if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                            or not isinstance(part.get("text"), str):
-                        raise ValueError(f"input[{i}].content[{j}]: only text content parts (objects) are supported")
-                    parts.append({"type": "text", "text": part["text"]})
-                content = parts
-            msgs.append({"role": item["role"], "content": content})
+            kind = item.get("type", "message")
+            if kind == "message" and "role" in item:
+                msgs.append({"role": item["role"], "content": _text(item.get("content") or "", f"input[{i}].content")})
+            elif kind == "function_call":
+                call = {"id": str(item.get("call_id") or item.get("id") or f"call_{i}"), "type": "function",
+                        "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+                last = msgs[-1] if msgs else None
+                if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                    last["tool_calls"].append(call)  # parallel calls of one turn: one assistant message
+                else:
+                    msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif kind == "function_call_output":
+                out = item.get("output")
+                msgs.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
+                             "content": _text(out if out is not None else "", f"input[{i}].output")})
+            elif kind in SKIPPED_ITEMS:
+                continue
+            else:
+                raise ValueError(f"input[{i}]: only message, function_call and function_call_output items are "
+                                 f"supported, not {str(kind)[:40]!r}")
         return msgs
 
     def response_format(self) -> dict[str, Any] | None:
@@ -86,41 +132,75 @@ class ResponsesRequest(ApiModel):
     served_as = to_chat
 
     def _chat_request(self) -> ChatCompletionRequest:
+        forced = self.tools and (self.tool_choice == "required" or isinstance(self.tool_choice, dict))
+        # a forced call is not text: text.format applies to the answer after it (the Agents SDK sends
+        # both, with tool_choice reset to auto once the call is made)
         body: dict[str, Any] = {"messages": self.messages(), "stream": self.stream, "model": self.model,
-                                "response_format": self.response_format()}
-        for k, v in (("max_tokens", self.max_output_tokens), ("temperature", self.temperature), ("top_p", self.top_p)):
+                                "response_format": None if forced else self.response_format()}
+        for k, v in (("max_tokens", self.max_output_tokens), ("temperature", self.temperature), ("top_p", self.top_p),
+                     ("parallel_tool_calls", self.parallel_tool_calls)):
             if v is not None:
                 body[k] = v
+        if self.tools:
+            body["tools"] = [_chat_tool(i, t) for i, t in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            body["tool_choice"] = _chat_tool_choice(self.tool_choice)
         return ChatCompletionRequest.model_validate(body)
 
 
 class ResponsesShaper:
-    """One ``/v1/responses`` answer."""
+    """One ``/v1/responses`` answer: a message item for its text and a ``function_call`` item
+    per tool call."""
 
     def __init__(self, a: Answer) -> None:
         self.rid = a.rid
-        self.msg_id = "msg_" + a.rid.removeprefix("resp_")
+        self.key = a.rid.removeprefix("resp_")
+        self.msg_id = "msg_" + self.key
         self.model = a.model
         self.req = a.request
+        self.tools = a.submitted.tools
+        self._stream = self.tools.stream() if self.tools is not None else None
         self.created = now()
         self.seq = 0
-        self.parts: list[str] = []
+        self.raw: list[str] = []  # the whole answer's text as generated
+        self.parts: list[str] = []  # the message's text (tool calls taken out)
+        self.calls: list[dict[str, Any]] = []
         self.last: Output | None = None
+        self._open = False  # the stream's message item is open
+        self._index = 0  # the stream's next output index
 
-    def response(self, status: str, final: Output | None = None) -> dict[str, Any]:
-        text = "".join(self.parts)
-        done = status != "in_progress"
-        output = [self._item(text, status)] if done else []
+    def _status(self) -> str:
+        assert self.last is not None
+        return "incomplete" if self.last.finish_reason == "length" and not self.calls else "completed"
+
+    def _message(self, status: str) -> dict[str, Any]:
+        content = [] if status == "in_progress" else [
+            {"type": "output_text", "text": "".join(self.parts), "annotations": [], "logprobs": []}]
+        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": content}
+
+    def _call(self, i: int, status: str) -> dict[str, Any]:
+        c = self.calls[i]
+        return {"type": "function_call", "id": f"fc_{self.key}_{i}", "call_id": c["id"], "name": c["function"]["name"],
+                "arguments": "" if status == "in_progress" else c["function"]["arguments"], "status": status}
+
+    def _output(self, status: str) -> list[dict[str, Any]]:
+        items = [self._message(status)] if "".join(self.parts) or not self.calls else []
+        return items + [self._call(i, "completed") for i in range(len(self.calls))]
+
+    def response(self, status: str) -> dict[str, Any]:
         body: dict[str, Any] = {
             "id": self.rid, "object": "response", "created_at": self.created, "status": status, "model": self.model,
-            "output": output, "error": None, "incomplete_details": None, "instructions": self.req.instructions,
-            "max_output_tokens": self.req.max_output_tokens, "temperature": self.req.temperature, "top_p": self.req.top_p,
-            "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "text": self.req.text or {"format": {"type": "text"}},
+            "output": self._output(status) if status not in ("in_progress", "failed") else [], "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": self.req.instructions, "max_output_tokens": self.req.max_output_tokens,
+            "temperature": self.req.temperature, "top_p": self.req.top_p,
+            "parallel_tool_calls": self.req.parallel_tool_calls is not False,
+            "tool_choice": self.req.tool_choice if self.req.tool_choice is not None else "auto",
+            "tools": self.req.tools or [], "text": self.req.text or {"format": {"type": "text"}},
             "metadata": self.req.metadata or {}, "store": False, "truncation": "disabled", "usage": None,
         }
-        if status == "incomplete":
-            body["incomplete_details"] = {"reason": "max_output_tokens"}
-        if final is not None:
+        final = self.last
+        if final is not None and status not in ("in_progress", "failed"):
             body["usage"] = {
                 "input_tokens": final.prompt_tokens, "output_tokens": final.completion_tokens,
                 "total_tokens": final.prompt_tokens + final.completion_tokens,
@@ -129,21 +209,18 @@ class ResponsesShaper:
             }
         return body
 
-    def _item(self, text: str, status: str) -> dict[str, Any]:
-        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" else []
-        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": content}
-
-    @staticmethod
-    def status_of(final: Output) -> str:
-        return "incomplete" if final.finish_reason == "length" else "completed"
+    # ---- the whole answer ---------------------------------------------------------------------
 
     def add(self, batch: list[Output]) -> None:
-        self.parts.extend(o.text for o in batch)
+        self.raw.extend(o.text for o in batch)
         self.last = batch[-1]
 
     def final(self) -> dict[str, Any]:
-        assert self.last is not None
-        return self.response(self.status_of(self.last), self.last)
+        text = "".join(self.raw)
+        if self.tools is not None:
+            text, self.calls = self.tools.read(text)
+        self.parts = [text]
+        return self.response(self._status())
 
     # ---- the stream ---------------------------------------------------------------------------
 
@@ -153,34 +230,58 @@ class ResponsesShaper:
         return sse(body, kind)
 
     def opening(self) -> bytes:
-        item = {"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant", "content": []}
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return (self.event("response.created", response=self.response("in_progress"))
-                + self.event("response.in_progress", response=self.response("in_progress"))
-                + self.event("response.output_item.added", output_index=0, item=item)
-                + self.event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0, part=part))
+                + self.event("response.in_progress", response=self.response("in_progress")))
+
+    def _text(self, text: str) -> bytes:
+        out = b""
+        if not self._open:
+            self._open = True
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            out += self.event("response.output_item.added", output_index=self._index, item=self._message("in_progress"))
+            out += self.event("response.content_part.added", item_id=self.msg_id, output_index=self._index,
+                              content_index=0, part=part)
+        if text:
+            self.parts.append(text)
+            out += self.event("response.output_text.delta", item_id=self.msg_id, output_index=self._index,
+                              content_index=0, delta=text, logprobs=[])
+        return out
 
     def events(self, batch: list[Output]) -> bytes:
         self.last = batch[-1]
         text = "".join(o.text for o in batch)
-        if not text:
-            return b""
-        self.parts.append(text)
-        return self.event("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0,
-                          delta=text, logprobs=[])
+        if self._stream is not None:
+            text = self._stream.feed(text)
+        return self._text(text) if text else b""
 
     def closing(self) -> bytes:
-        assert self.last is not None
-        status = self.status_of(self.last)
-        text = "".join(self.parts)
-        item = self._item(text, status)
-        done = "response.completed" if status == "completed" else "response.incomplete"
-        return (self.event("response.output_text.done", item_id=self.msg_id, output_index=0, content_index=0,
-                           text=text, logprobs=[])
-                + self.event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0,
-                             part=item["content"][0])
-                + self.event("response.output_item.done", output_index=0, item=item)
-                + self.event(done, response=self.response(status, self.last)))
+        out = b""
+        if self._stream is not None:
+            rest, self.calls = self._stream.finish()
+            if rest:
+                out += self._text(rest)
+        if not self._open and not self.calls:
+            out += self._text("")  # a plain answer always has its message, empty or not
+        if self._open:
+            item = self._message("completed")
+            out += (self.event("response.output_text.done", item_id=self.msg_id, output_index=self._index,
+                               content_index=0, text="".join(self.parts), logprobs=[])
+                    + self.event("response.content_part.done", item_id=self.msg_id, output_index=self._index,
+                                 content_index=0, part=item["content"][0])
+                    + self.event("response.output_item.done", output_index=self._index, item=item))
+            self._index += 1
+        for i in range(len(self.calls)):
+            done = self._call(i, "completed")
+            out += (self.event("response.output_item.added", output_index=self._index, item=self._call(i, "in_progress"))
+                    + self.event("response.function_call_arguments.delta", item_id=done["id"], output_index=self._index,
+                                 delta=done["arguments"])
+                    + self.event("response.function_call_arguments.done", item_id=done["id"], output_index=self._index,
+                                 arguments=done["arguments"], name=done["name"])
+                    + self.event("response.output_item.done", output_index=self._index, item=done))
+            self._index += 1
+        status = self._status()
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        return out + self.event(kind, response=self.response(status))
 
     def failed(self, status: int, message: str) -> bytes:
         body = self.response("failed")
@@ -188,6 +289,8 @@ class ResponsesShaper:
         return self.event("response.failed", response=body)
 
 
-RESPONSES = Generate(("/v1/responses",), ResponsesRequest, "resp_", ResponsesShaper, summary="OpenAI's Responses API")
+RESPONSES = Generate(("/v1/responses",), ResponsesRequest, "resp_", ResponsesShaper,
+                     summary="OpenAI's Responses API, with function tools")
 
 ENDPOINTS = (RESPONSES,)
+ROUTES = ()

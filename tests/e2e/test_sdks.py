@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Annotated
 
 import anthropic
 import jsonschema
 import pytest
+from pydantic import Field
 
 from tests.e2e.test_http_api import APP
 
@@ -62,6 +64,22 @@ def test_anthropic_sdk_forced_tool_use_and_its_result(claude):
                                                   "input": uses[0].input}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "sunny"}]}])
     assert follow.content[0].type == "text" and follow.stop_reason != "tool_use"
+
+
+def test_anthropic_sdk_structured_output_with_messages_parse(claude):
+    """messages.parse sends output_config.format (a JSON schema): the text answer matches it."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Pick(BaseModel):  # an enum: the SDK moves string bounds into the description, enums it keeps
+        color: Literal["red", "green", "blue"]
+        sure: bool
+
+    msg = claude.messages.parse(model="claude-sonnet-4-5", max_tokens=200, output_format=Pick,
+                                messages=[{"role": "user", "content": "Pick a color."}])
+    assert isinstance(msg.parsed_output, Pick), msg
+    assert msg.stop_reason == "end_turn"
 
 
 def test_anthropic_sdk_refusals_are_its_errors(claude):
@@ -139,3 +157,53 @@ def test_embeddings_off_is_a_501_that_says_what_to_set(base):
 
     r = httpx.post(base + "/v1/embeddings", json={"input": "x"}, timeout=60)
     assert r.status_code == 501 and "embeddings: true" in r.json()["error"]["message"]
+
+
+def test_openai_agents_sdks_default_model_runs_a_tool_loop(base):
+    """The Responses API with tools, as the Agents SDK's default model drives it: a forced call
+    (its function_call item, streamed and whole), the tool's result sent back as a
+    function_call_output item with the whole input, then the final answer."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str = Field(max_length=12)
+
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: Annotated[str, Field(max_length=12)]) -> str:  # bounded: random weights end it so
+        """Current weather of a city."""
+        calls.append(city)
+        return "sunny"
+
+    set_tracing_disabled(True)
+
+    async def main() -> None:
+        client = AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        agent = Agent(name="weather", instructions="Use the tool.", tools=[get_weather], output_type=City,
+                      model=OpenAIResponsesModel("gpt-4.1", client),
+                      model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=200))
+        for streamed in (False, True):
+            calls.clear()
+            if streamed:
+                run = Runner.run_streamed(agent, "weather?")
+                async for _ in run.stream_events():
+                    pass
+                result = run
+            else:
+                result = await Runner.run(agent, "weather?")
+            assert len(calls) == 1 and isinstance(calls[0], str), (streamed, calls)
+            assert isinstance(result.final_output, City), (streamed, result.final_output)
+            kinds = [type(i).__name__ for i in result.new_items]
+            assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"], kinds
+
+    asyncio.run(main())
