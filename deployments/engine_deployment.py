@@ -223,23 +223,58 @@ class EngineDeployment:
             return ApiError(400, str(e)[:1000] or type(e).__name__)
 
     async def props(self) -> dict:
+        """llama-server's ``/props``, with every field its web UI, Zed and SillyTavern read, and
+        this server's own (groups, devices, topology)."""
         tok = self.engine.tokenizer
         return {
+            "default_generation_settings": {
+                "id": 0, "id_task": -1, "n_ctx": self.engine.n_ctx_slot, "is_processing": False,
+                "speculative": self.config.speculative is not None, "params": self._llama_params(),
+            },
+            "total_slots": self.config.n_parallel,
             "model_alias": self.model_name,
             "model_path": self.config.model,
-            "total_slots": self.config.n_parallel,
-            "pipeline_groups": self.config.pipeline_groups,
-            "default_generation_settings": {
-                "n_ctx": self.engine.n_ctx_slot,
-                "params": SamplingParams(max_tokens=self.engine.n_ctx_slot).model_dump(mode="json"),
-            },
+            "modalities": {"vision": False, "audio": False, "video": False},
+            "endpoint_slots": True, "endpoint_props": True, "endpoint_metrics": True,
             "chat_template": tok.template.source,
+            "chat_template_caps": {
+                # what this server does with the template: tools are served for every template (in
+                # it when it takes them, else in a system message), calls are parsed from the text
+                "supports_tools": True, "supports_tool_calls": True, "supports_parallel_tool_calls": True,
+                "supports_system_role": True, "supports_preserve_reasoning": False, "requires_typed_content": False,
+                "supports_string_content": True, "supports_typed_content": False,
+            },
             "chat_template_origin": tok.template.origin,
             "bos_token": tok.bos_text,
             "eos_token": tok.eos_text,
-            "modalities": {"vision": False, "audio": False},
+            "build_info": f"pipeline-groups {_version()} (llama-cpp-python {_llama_cpp_version()})",
+            "is_sleeping": False,
+            "pipeline_groups": self.config.pipeline_groups,
             "devices": self.engine.devices,
             "topology": self.topology,
+        }
+
+    def _llama_params(self) -> dict[str, Any]:
+        """The default sampling settings in llama-server's names and types (its web UI syncs
+        its settings from these: every value a number, ``samplers`` a list of names)."""
+        d = SamplingParams(max_tokens=self.engine.n_ctx_slot)
+        spec = self.config.speculative
+        return {
+            "seed": self.config.seed if self.config.seed >= 0 else 4294967295,  # llama-server's random seed
+            "temperature": d.temperature, "dynatemp_range": d.dynatemp_range, "dynatemp_exponent": d.dynatemp_exponent,
+            "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p, "top_n_sigma": d.top_n_sigma,
+            "xtc_probability": d.xtc_probability, "xtc_threshold": d.xtc_threshold,
+            "typical_p": d.typical_p, "typ_p": d.typical_p,  # the web UI looks for typ_p
+            "repeat_last_n": d.repeat_last_n, "repeat_penalty": d.repeat_penalty,
+            "presence_penalty": d.presence_penalty, "frequency_penalty": d.frequency_penalty,
+            "dry_multiplier": d.dry_multiplier, "dry_base": d.dry_base, "dry_allowed_length": d.dry_allowed_length,
+            "dry_penalty_last_n": d.dry_penalty_last_n, "dry_sequence_breakers": list(d.dry_sequence_breakers),
+            "mirostat": d.mirostat, "mirostat_tau": d.mirostat_tau, "mirostat_eta": d.mirostat_eta,
+            "max_tokens": -1, "n_predict": -1, "n_keep": 0, "n_discard": 0, "ignore_eos": False, "stream": True,
+            "n_probs": 0, "min_keep": d.min_keep, "samplers": list(d.order), "reasoning_format": "auto",
+            "speculative.n_max": spec.n_max if spec else 0, "speculative.n_min": spec.n_min if spec else 0,
+            "speculative.p_min": spec.p_min if spec else 0.0, "timings_per_token": False,
+            "post_sampling_probs": False, "backend_sampling": self.config.backend_sampling, "lora": [],
         }
 
     async def drain(self, grace_s: float, replica: str | None = None) -> dict:
@@ -287,7 +322,7 @@ class EngineDeployment:
             "pipeline_groups": self.config.pipeline_groups,
             "devices": self.engine.devices,
             "n_vocab": self.engine.model.n_vocab,
-            "meta": self.engine.model.meta(),
+            "meta": {**self.engine.model.meta(), "n_ctx": self.engine.n_ctx_slot},
             "speculative": self.config.speculative.model_dump() if self.config.speculative else None,
             "healthy": self.engine.healthy and self._failed is None,
             "replica": self._replica,
@@ -299,10 +334,12 @@ class EngineDeployment:
         return [
             {
                 "id": v.id,
+                "n_ctx": self.engine.n_ctx_slot,  # llama.cpp's web UI sizes its context by it
+                "speculative": self.config.speculative is not None,
+                "is_processing": v.state != "idle",
                 "group": v.group,
                 "seq_id": v.seq_id,
                 "state": v.state,
-                "is_processing": v.state != "idle",
                 "n_cached_tokens": v.n_cached,
                 "id_task": v.request_id,
                 "replica": self._replica,
@@ -379,6 +416,21 @@ class EngineDeployment:
         if eng is not None:
             # a stalled decode never returns: do not wait for its group
             eng.close(timeout=1.0 if self._failed else 30.0)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pipeline-groups-serve")
+    except PackageNotFoundError:
+        return "0"
+
+
+def _llama_cpp_version() -> str:
+    import llama_cpp
+
+    return str(getattr(llama_cpp, "__version__", "?"))
 
 
 def _replica_tag() -> str:

@@ -53,7 +53,12 @@ def test_a_clients_own_body_is_served(base, name):
                 a["stop_type"] != "limit", a
     else:
         assert "timings" in last and last["timings"]["predicted_n"] >= 1, last  # the web UI's statistics bar
-        assert last["choices"][0]["finish_reason"] in ("stop", "length"), last
+        ended = [e for e in events if e["choices"]][-1] if body.get("stream") else last  # before a usage chunk
+        assert ended["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls"), ended
+        if body.get("stream"):  # Zed parses every chunk: model, object and choices in each, whole usage
+            assert all({"model", "object", "choices"} <= e.keys() for e in events), events[:2]
+            usage = [e["usage"] for e in events if e.get("usage")]
+            assert all({"prompt_tokens", "completion_tokens", "total_tokens"} <= u.keys() for u in usage)
         if body.get("return_progress"):  # the web UI's prompt progress
             progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
             assert progress and progress[-1]["processed"] == progress[-1]["total"] > 0, events[:3]
@@ -168,3 +173,61 @@ def test_post_sampling_probs_and_response_fields(base):
     picked = httpx.post(base + "/completion", json={**body, "response_fields": ["content", "timings/prompt_n"]},
                         timeout=60).json()
     assert set(picked) == {"content", "prompt_n"}, picked
+
+
+# ---- each client's first use: discovery and settings, as its source reads them -----------------------
+
+WEBUI_NUMBERS = ("temperature", "top_k", "top_p", "min_p", "dynatemp_range", "dynatemp_exponent", "xtc_probability",
+                 "xtc_threshold", "typ_p", "repeat_last_n", "repeat_penalty", "presence_penalty", "frequency_penalty",
+                 "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "max_tokens")
+
+
+def test_llama_cpps_web_ui_syncs_its_settings_and_sizes_its_context(base):
+    """tools/server/webui (ggml-org/llama.cpp): services/parameter-sync.service.ts at 23758f3b takes each
+    setting from /props default_generation_settings.params when it is a number (samplers: a list it
+    joins with ';'); services/slots.ts at 02a65364 reads /slots[0].n_ctx, else assumes 4,096."""
+    props = httpx.get(base + "/props", timeout=30).json()
+    params = props["default_generation_settings"]["params"]
+    for k in WEBUI_NUMBERS:
+        assert isinstance(params[k], int | float) and not isinstance(params[k], bool), (k, params.get(k))
+    assert isinstance(params["samplers"], list) and all(isinstance(s, str) for s in params["samplers"])
+    assert props["default_generation_settings"]["n_ctx"] == httpx.get(base + "/slots", timeout=30).json()[0]["n_ctx"]
+    assert props["default_generation_settings"]["n_ctx"] != 4096 and isinstance(props["build_info"], str)
+    assert props["modalities"] == {"vision": False, "audio": False, "video": False} and props["total_slots"] > 0
+
+
+def test_zeds_llama_cpp_provider_sees_tools_and_the_context(base):
+    """crates/language_models/src/provider/llama_cpp.rs (zed-industries/zed at b304fe89): tools on when
+    /props chat_template_caps.supports_tool_calls or .supports_tools; the context from
+    default_generation_settings.n_ctx, else /v1/models meta.n_ctx."""
+    props = httpx.get(base + "/props", timeout=30).json()
+    caps = props["chat_template_caps"]
+    assert caps["supports_tool_calls"] or caps["supports_tools"]
+    model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]
+    assert model["id"] and model["meta"]["n_ctx"] == props["default_generation_settings"]["n_ctx"] > 0
+
+
+def test_open_webui_reads_the_speed_from_the_streams_usage(base):
+    """backend/open_webui/utils/middleware.py (open-webui/open-webui at 000032ed): for each chunk,
+    usage = data.get("usage") or {}; usage.update(data.get("timings", {})), kept as the last one seen
+    (a "timings": null would raise there)."""
+    body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 6,
+            "stream_options": {"include_usage": True}}
+    seen = None
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r:
+        for data in sse(r):
+            usage = data.get("usage", {}) or {}
+            usage.update(data.get("timings", {}))
+            if usage:
+                seen = usage
+    assert seen is not None and seen["completion_tokens"] >= 1 and seen["predicted_per_second"] >= 0, seen
+
+
+def test_sillytaverns_status_check_and_token_count(base):
+    """src/endpoints/backends/text-completions.js and src/endpoints/tokenizers.js (SillyTavern at
+    1ac6780e): the status is GET /v1/models' data[0].id; tokens are counted by POST /tokenize
+    {content}, reading tokens.length."""
+    ids = [m["id"] for m in httpx.get(base + "/v1/models", timeout=30).json()["data"]]
+    assert ids and ids[0]
+    r = httpx.post(base + "/tokenize", json={"content": "Hello there"}, timeout=30).json()
+    assert len(r["tokens"]) >= 1
