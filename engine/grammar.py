@@ -70,13 +70,26 @@ class GrammarSpec:
         if not isinstance(schema, dict):
             raise RequestError(f"{what} must be a JSON object (a JSON schema)")
         check_schema(schema, what)
-        return cls("json_schema", json.dumps(closed_objects(schema)))
+        return cls("json_schema", json.dumps(bounded_schema(schema)))
 
 
-def closed_objects(schema: Any) -> Any:
-    """A copy of ``schema`` where an object with ``properties`` and no ``additionalProperties``
-    allows no others, as llama.cpp's converter reads it (JSON Schema itself would allow any):
-    a small model otherwise keeps inventing keys until max_tokens."""
+MAX_DIGITS = 16  # an integer's (or a number's integer part's) digits, as llama.cpp's converter allows
+MAX_DECIMALS = 10  # a number's decimals (llama.cpp's converter: 16; llguidance takes 10 as a multipleOf)
+_LIMIT = 10**MAX_DIGITS - 1
+
+
+def _types(node: dict) -> set[str]:
+    t = node.get("type")
+    return {t} if isinstance(t, str) else {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
+
+
+def bounded_schema(schema: Any) -> Any:
+    """A copy of ``schema`` that a model's output ends under, as llama.cpp's converter reads
+    schemas: an object with ``properties`` and no ``additionalProperties`` allows no others
+    (JSON Schema itself would allow any: a small model otherwise keeps inventing keys until
+    max_tokens); an integer has at most ``MAX_DIGITS`` digits and a number as many before its
+    point and ``MAX_DECIMALS`` after it, no exponent, where the schema sets no bound (a small
+    model otherwise writes digits without end: 40000000...)."""
     schema = json.loads(json.dumps(schema))
     stack = [schema]
     while stack:
@@ -84,6 +97,14 @@ def closed_objects(schema: Any) -> Any:
         if isinstance(node, dict):
             if isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
                 node["additionalProperties"] = False
+            types = _types(node)
+            if types & {"integer", "number"}:
+                if "minimum" not in node and "exclusiveMinimum" not in node:
+                    node["minimum"] = -_LIMIT
+                if "maximum" not in node and "exclusiveMaximum" not in node:
+                    node["maximum"] = _LIMIT
+                if "number" in types and "integer" not in types and "multipleOf" not in node:
+                    node["multipleOf"] = 10.0**-MAX_DECIMALS
             stack.extend(v for v in node.values() if isinstance(v, dict | list))
         elif isinstance(node, list):
             stack.extend(v for v in node if isinstance(v, dict | list))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from engine.grammar import GrammarSpec, check_schema, closed_objects, json_options
+from engine.grammar import GrammarSpec, bounded_schema, check_schema, json_options
 from engine.types import RequestError
 
 MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
@@ -161,7 +161,7 @@ class ToolPlan:
         else:
             one = '"<tool_call>\\n" call "\\n</tool_call>"'
             top = one + more('"\\n"', one)
-        body = json.dumps({**closed_objects(schema), "x-guidance": json_options()})
+        body = json.dumps({**bounded_schema(schema), "x-guidance": json_options()})
         return GrammarSpec("lark", f"start: {top}\ncall: %json {body}\n")
 
 

@@ -136,3 +136,36 @@ def test_forced_tool_calls_on_the_real_model_all_parse_and_validate(make_gemma):
         assert calls and content == "", text
         for call in limit_calls(calls, plan.parallel):
             jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+
+
+NUMBER_CASES = [
+    ({"type": "integer"}, "9" * 16, True),
+    ({"type": "integer"}, "4" + "0" * 16, False),  # 17 digits: instructor's endless 40000000...
+    ({"type": "integer", "minimum": 0}, "1" * 17, False),  # one bound given: the other is still set
+    ({"type": "integer", "minimum": 0, "maximum": 10**20}, "1" * 19, True),  # the schema's own bounds stand
+    ({"type": "number"}, "-3.25", True),
+    ({"type": "number"}, "3." + "1" * 11, False),  # at most 10 decimals
+    ({"type": "number"}, "1e5", False),  # no exponent
+    ({"type": ["number", "null"]}, "1" * 17, False),
+]
+
+
+def test_schema_numbers_end(make_gemma):
+    """Integers and numbers are bounded as llama.cpp's converter bounds them (16 digits; decimals
+    tighter: 10), where the schema sets no bound of its own."""
+    from engine.grammar import GrammarCompiler, GrammarSpec
+
+    e = make_gemma(n_parallel=1, n_ctx=512)
+    gc = GrammarCompiler(e.tokenizer)
+    try:
+        for schema, text, allowed in NUMBER_CASES:
+            state = gc.compile(GrammarSpec.of_schema(schema))
+            ok = True
+            for t in e.tokenizer.encode(text, add_special=False, parse_special=False):
+                if not state.allows(t):
+                    ok = False
+                    break
+                state.accept(t)
+            assert ok is allowed, (schema, text)
+    finally:
+        gc.close()
