@@ -29,7 +29,7 @@ FLAGS_ID := $(shell echo '$(CMAKE_FLAGS)' | md5sum | cut -c1-8)
 WHEEL_DIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)-$(FLAGS_ID)
 STAMP := $(VENV)/.installed-$(LLAMA_VARIANT)-$(FLAGS_ID)
 
-.PHONY: install wheel model model-synthetic serve test test-fast test-cluster lint bench bench-spec bench-prefix llama-server cluster-up cluster-down clean
+.PHONY: install wheel model model-synthetic browser serve test test-fast test-cluster lint bench bench-spec bench-prefix llama-server cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -88,8 +88,12 @@ model-synthetic: install
 serve: install model model-synthetic
 	$(VENV)/bin/python -m cluster.serve $(CONFIG)
 
+# Debian's chromium for the page's browser tests (tests/e2e/test_page.py); needs root to install
+browser:
+	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
 # tests/cluster is the two-host test bed: `make test-cluster` (root), run by .ci/run after this
-test: install model model-synthetic
+test: install model model-synthetic browser
 	$(PY) -m pytest --ignore=tests/cluster $(PYTEST_ARGS)
 
 test-fast: install model model-synthetic

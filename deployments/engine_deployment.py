@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from typing import Any
 
 import ray
@@ -111,6 +112,8 @@ class EngineDeployment:
         self.metrics.set_stage_up(True)
         self.metrics.set_topology(self.topology["topology"])
         self._last_busy: tuple[float, float, float | None] | None = None
+        self._last_pipeline: tuple[float, float, float | None] | None = None
+        self._rate_samples: deque[tuple[float, float]] = deque(maxlen=1024)
         self.stage_timeout_s = stage_timeout_s if self.config.rpc_endpoints else None
         self._watchdog = self.loop.create_task(self._watch()) if self.stage_timeout_s else None
         log.info("engine replica %s serving %s", self._replica, self.model_name)
@@ -370,20 +373,56 @@ class EngineDeployment:
 
     async def _collect_stages(self) -> None:
         """Stage busy since the last scrape: CPU seconds over wall seconds and threads."""
-        now = time.monotonic()
-        local_cpu = sum(p.decode_cpu for p in self.engine.profiles())
-        peer = await self._stage_health()
-        last = self._last_busy
+        busy, peer, self._last_busy = await self._stage_busy(self._last_busy)
         self.metrics.set_stage_rss("local", rss_bytes(os.getpid()))
         if peer is not None:
             self.metrics.set_stage_up(bool(peer["accepting"]))
             self.metrics.set_stage_rss("peer", int(peer.get("rss_bytes", 0)))
+        for stage, ratio in busy.items():
+            self.metrics.set_stage_busy(stage, ratio)
+
+    async def _stage_busy(self, last: tuple | None) -> tuple[dict[str, float], dict | None, tuple]:
+        """Each stage's busy share since ``last`` (a sample this returns), and the peer's health."""
+        now = time.monotonic()
+        local_cpu = sum(p.decode_cpu for p in self.engine.profiles())
+        peer = await self._stage_health()
+        busy: dict[str, float] = {}
         if last is not None:
             dt = max(now - last[0], 1e-9)
-            self.metrics.set_stage_busy("local", (local_cpu - last[1]) / dt / self.config.local_threads())
+            busy["local"] = (local_cpu - last[1]) / dt / self.config.local_threads()
             if peer is not None and last[2] is not None:
-                self.metrics.set_stage_busy("peer", (peer["cpu_seconds"] - last[2]) / dt / peer["threads"])
-        self._last_busy = (now, local_cpu, peer["cpu_seconds"] if peer else None)
+                busy["peer"] = (peer["cpu_seconds"] - last[2]) / dt / peer["threads"]
+        return ({k: max(0.0, min(1.0, v)) for k, v in busy.items()}, peer,
+                (now, local_cpu, peer["cpu_seconds"] if peer else None))
+
+    async def pipeline(self, replica: str | None = None) -> dict[str, Any]:
+        """The live figures the page at / shows (computed when asked: nothing is kept for a
+        page that is not open): each stage's busy share since the last ask, each group's slots,
+        tokens per second and TTFT over the last minute, the topology and why."""
+        busy, peer, self._last_pipeline = await self._stage_busy(self._last_pipeline)
+        now = time.monotonic()
+        self._rate_samples.append((now, self.metrics.generated_total()))
+        while len(self._rate_samples) > 2 and now - self._rate_samples[1][0] >= 60.0:
+            self._rate_samples.popleft()
+        t0, n0 = self._rate_samples[0]
+        rate = (self._rate_samples[-1][1] - n0) / (now - t0) if now - t0 > 0.5 else 0.0
+        ttfts = sorted(v for t, v in self.metrics.recent_ttft if now - t <= 60.0)
+        groups: dict[int, list[dict[str, Any]]] = {}
+        for v in self.engine.slot_views():
+            groups.setdefault(v.group, []).append({"id": v.id, "state": v.state, "task": v.request_id,
+                                                   "cached_tokens": v.n_cached})
+        running, waiting = self.engine.scheduler.counts()
+        stages = [{"stage": "peer", "where": ep, "busy": busy.get("peer"), "up": bool(peer and peer["accepting"])}
+                  for ep in self.config.rpc_endpoints]
+        local = [d for d in self.engine.devices if not d.upper().startswith("RPC")]
+        stages.append({"stage": "local", "where": ", ".join(local) or "local", "busy": busy.get("local"), "up": True})
+        return {
+            "replica": self._replica, "model": self.model_name, "topology": self.topology, "stages": stages,
+            "groups": [{"group": g, "slots": slots} for g, slots in sorted(groups.items())],
+            "tokens_per_second": rate, "ttft_s": {"n": len(ttfts), "median": ttfts[len(ttfts) // 2] if ttfts else None,
+                                                  "p99": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))] if ttfts else None},
+            "running": running, "waiting": waiting, "n_ctx_slot": self.engine.n_ctx_slot,
+        }
 
     async def _stage_health(self) -> dict | None:
         if not self.config.rpc_endpoints:

@@ -16,6 +16,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -132,6 +133,20 @@ class Answering(JSONResponse):
 
 
 _CURRENT: list[Any] = []  # an Ingress made outside Serve (tests)
+
+
+WEB = Path(__file__).with_name("web")
+_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
+_FILES = {p.name: p for p in WEB.iterdir() if p.suffix in _TYPES} if WEB.is_dir() else {}
+
+
+def _static(name: str) -> Response:
+    path = _FILES.get(name)  # a name of the shipped files, never a path a request makes
+    if path is None:
+        raise HTTPError(404, f"no file {name[:100]!r}")
+    return Response(path.read_bytes(), media_type=_TYPES[path.suffix],
+                    headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
+                             "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer"})
 
 
 def _ingress(required: bool = True) -> "Ingress | None":
@@ -480,6 +495,26 @@ class Ingress:
                   b"# TYPE pgroups_http_internal_errors_total counter",
                   f"pgroups_http_internal_errors_total {self.internal_errors}".encode()]
         return b"\n".join(lines) + b"\n"
+
+    @app.get("/", include_in_schema=False)
+    async def page(self) -> Response:
+        """The page (deployments/web): a chat and the pipeline's live view. Static, so served
+        without the key; every call it makes asks for it (held in the browser's memory only)."""
+        return _static("index.html")
+
+    @app.get("/ui/{name}", include_in_schema=False)
+    async def page_file(self, name: str) -> Response:
+        return _static(name)
+
+    @app.get("/pipeline")
+    async def pipeline(self, request: Request) -> Response:
+        """The live figures of every engine replica (the page's pipeline view polls it): stages
+        and their busy share since the last poll, groups and their slots, tokens per second
+        and TTFT over the last minute, the topology and why."""
+        self.check_auth(request)
+        parts = await self.each_replica(lambda engine, replica: engine.pipeline.remote(replica=replica))
+        topo = parts[0]["topology"] if parts else {"topology": "?", "reason": ""}
+        return JSONResponse({"topology": topo, "replicas": parts})
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi_json(self, request: Request) -> Response:

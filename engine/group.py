@@ -309,6 +309,9 @@ class PipelineGroup:
         prof.add("sample", t5 - t4)
         outs = progress + [o for r, toks in zip(plan.rows, tokens, strict=True)
                            if (o := proc.emit(r.slot, toks, self._finish)) is not None]
+        for r in plan.rows:  # a slot that began generating this step: published once (/slots, the page)
+            if r.slot.n_generated == 1 and r.slot.state is SlotState.GENERATING:
+                self.on_release(r.slot.view(), False)
         t6 = time.perf_counter()
         if outs:
             self.sink(outs)

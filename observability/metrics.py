@@ -10,6 +10,7 @@ group publishes, so a group only ever counts its own slots.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 import prometheus_client
@@ -35,6 +36,7 @@ class EngineMetrics:
         self.model = model
         self.replica = replica
         self.n_tokens_max = 0  # the most tokens one request's slot held (llama-server's n_tokens_max)
+        self.recent_ttft: deque[tuple[float, float]] = deque(maxlen=4096)  # (finished at, TTFT s): the page's minute
         r = self.registry = CollectorRegistry(auto_describe=True)
         base = ["model", "replica"]
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time from arrival to the first generated token.", base, buckets=TTFT_BUCKETS, registry=r)
@@ -83,11 +85,15 @@ class EngineMetrics:
         self.e2e.labels(**b).observe(e2e)
         if o.t_first_token > 0:
             self.ttft.labels(**b).observe(o.t_first_token)
+            self.recent_ttft.append((time.monotonic(), o.t_first_token))
             self.prompt_seconds.labels(**b).inc(max(0.0, o.t_first_token - o.t_queue))
             gen = max(0.0, e2e - o.t_first_token)
             self.generation_seconds.labels(**b).inc(gen)
             if o.completion_tokens > 1:
                 self.tpot.labels(**b).observe(gen / (o.completion_tokens - 1))
+
+    def generated_total(self) -> float:
+        return self._generated._value.get()
 
     def rejected(self) -> None:
         self.rejected_total.labels(**self._b).inc()

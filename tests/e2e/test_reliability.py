@@ -46,7 +46,8 @@ def all_idle(base: str, timeout_s: float = 20.0) -> bool:
                                           ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
                                           ("POST", "/slots/0?action=erase"), ("GET", "/docs"),
                                           ("GET", "/redoc"), ("GET", "/openapi.json"), ("POST", "/tokenize"),
-                                          ("POST", "/detokenize"), ("POST", "/apply-template"), ("GET", "/props")])
+                                          ("POST", "/detokenize"), ("POST", "/apply-template"), ("GET", "/props"),
+                                          ("GET", "/pipeline")])
 def test_api_key_required_everywhere_but_health(base, method, path):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         r = httpx.request(method, base + path, headers=headers, json={"prompt": "hi"})
@@ -141,3 +142,26 @@ def test_fuzz_openai_endpoints_no_5xx(base):
     ok = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=H, timeout=60)
     assert ok.status_code == 200
     assert all_idle(base)
+
+
+def test_the_page_asks_for_the_key_and_keeps_it_in_memory(base):
+    """The page itself is static and served without the key; its calls ask for it."""
+    from tests.e2e.browser import chromium
+
+    assert httpx.get(base + "/").status_code == 200
+    with chromium() as ctx:
+        page = ctx.new_page()
+        page.goto(base + "/")
+        page.locator("[data-testid=key-prompt]").wait_for(state="visible", timeout=30_000)
+        page.fill("[data-testid=key-input]", "wrong")
+        page.click("#key-form button")
+        page.locator("#key-error").filter(has_text="refused").wait_for(timeout=30_000)
+        page.fill("[data-testid=key-input]", KEY)
+        page.click("#key-form button")
+        page.locator("[data-testid=key-prompt]").wait_for(state="hidden", timeout=30_000)
+        page.fill("#set-max_tokens", "4")
+        page.fill("[data-testid=prompt]", "hi")
+        page.click("[data-testid=send]")
+        page.locator("[data-testid=msg-assistant] [data-testid=stats]").wait_for(timeout=60_000)
+        stored = page.evaluate("JSON.stringify([Object.keys(localStorage), Object.keys(sessionStorage), document.cookie])")
+        assert stored == '[[],[],""]', stored
