@@ -54,8 +54,10 @@ def llama_server(slots: int, n_ctx: int, threads: int, n_gen: int, port: int, ex
 
 
 def engine(slots: int, n_ctx: int, threads: int, n_gen: int, **cfg: object) -> list[str]:
-    e = Engine(EngineConfig(model=str(GEMMA_MODEL), n_parallel=slots, n_ctx=n_ctx, n_threads=threads,
-                            flash_attn=True, cache_prompt=False, **cfg))
+    cfg = {"n_parallel": slots, "n_ctx": n_ctx, "n_threads": threads, **cfg}
+    if cfg["n_parallel"] != slots:  # fewer slots: the same context per slot
+        cfg["n_ctx"] = n_ctx // slots * cfg["n_parallel"]
+    e = Engine(EngineConfig(model=str(GEMMA_MODEL), cache_prompt=False, **{"flash_attn": True, **cfg}))
     try:
         params = SamplingParams(temperature=0, max_tokens=n_gen, ignore_eos=True)
         return [e.generate(p, params).text for p in PROMPTS]
@@ -83,9 +85,9 @@ def main() -> None:
 
     report(f"llama-server, {a.slots * 2} slots", llama_server(a.slots * 2, a.n_ctx * 2, a.threads, a.n_gen, a.port, []))
     report("llama-server, 1 slot", llama_server(1, a.n_ctx // a.slots, a.threads, a.n_gen, a.port, []))
-    for flag in ("--kv-unified", "--no-kv-unified"):
+    for flag in ("--kv-unified", "--no-kv-unified", "--no-repack", "-t 1", "-fa off"):
         try:
-            report(f"llama-server, {flag}", llama_server(a.slots, a.n_ctx, a.threads, a.n_gen, a.port, [flag]))
+            report(f"llama-server, {flag}", llama_server(a.slots, a.n_ctx, a.threads, a.n_gen, a.port, flag.split()))
         except RuntimeError as e:  # a flag this llama-server does not take
             print(f"llama-server, {flag}: {e}")
     for name, cfg in [
@@ -94,6 +96,10 @@ def main() -> None:
         ("engine: kv_unified true, n_batch 2048", {"kv_unified": True, "n_batch": 2048}),
         ("engine: n_batch 2048", {"n_batch": 2048}),
         ("engine: kv_unified true, swa_full true", {"kv_unified": True, "swa_full": True}),
+        ("engine: repack false", {"repack": False}),
+        ("engine: flash attention off", {"flash_attn": False}),
+        ("engine: one slot", {"n_parallel": 1}),
+        ("engine: n_ubatch 2048, n_batch 2048", {"n_batch": 2048, "n_ubatch": 2048}),
     ]:
         report(name, engine(a.slots, a.n_ctx, a.threads, a.n_gen, **cfg))
 
