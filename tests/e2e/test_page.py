@@ -32,6 +32,18 @@ def page(base):
         assert not errors, errors
 
 
+def never_ending(page) -> None:
+    """The synthetic model may draw its end token at any step: a long answer the test must see
+    streaming gets ignore_eos on its way to the server (the page itself sends the body)."""
+    def extend(route) -> None:
+        body = json.loads(route.request.post_data or "{}")
+        if body.get("max_tokens", 0) > 1000:
+            body["ignore_eos"] = True
+        route.continue_(post_data=json.dumps(body))
+
+    page.route("**/v1/chat/completions", extend)
+
+
 def send(page, text: str, max_tokens: int) -> None:
     page.fill("#set-max_tokens", str(max_tokens))
     page.fill("[data-testid=prompt]", text)
@@ -56,6 +68,7 @@ def test_the_page_is_served_with_the_guard_and_no_cdn(base):
 
 
 def test_a_chat_answer_streams_and_stops(page, base):
+    never_ending(page)
     send(page, "tell me a long story", 100_000)  # runs to its slot's end (512 tokens) unless stopped
     answer = last_answer(page)
     answer.locator("[data-testid=content] p").first.wait_for(timeout=60_000)  # tokens arrive
@@ -73,6 +86,7 @@ def test_a_chat_answer_streams_and_stops(page, base):
 
 
 def test_a_second_chat_runs_while_the_first_streams(page):
+    never_ending(page)
     send(page, "first, long", 100_000)  # runs to its slot's end: 512 tokens here
     page.click("[data-testid=new-chat]")
     send(page, "second, short", 8)
