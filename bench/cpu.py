@@ -18,7 +18,7 @@ ROLES = (
     ("haproxy", "serve proxy"),
     ("ServeReplica:", "replica"),  # split below by deployment name
     ("ray::ServeController", "serve controller"),
-    ("cluster.rpc_server", "rpc stage"),
+    ("deployments.stage.server", "rpc stage"),
     ("rpc-server", "rpc stage"),
     ("llama-server", "llama-server"),
     ("raylet", "ray daemons"),

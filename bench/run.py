@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench.clients import LoadResult, make_prompts, run_engine, run_http
 from bench.report import write_reports
-from cluster import rpc_server
+from deployments.stage import server as rpc_server
 from engine import Engine, EngineConfig
 from engine.synthetic_model import ModelShape, write_model
 from observability.process import cpu_seconds, rss_bytes

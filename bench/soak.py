@@ -88,7 +88,7 @@ def chaos(address: str, app: str, kill_every_s: float, until: float, log: list) 
     import ray
     from ray import serve
 
-    from cluster.rpc_stage import get_stage
+    from deployments.stage.actor import get_stage
 
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     engine = serve.get_deployment_handle("engine", app)

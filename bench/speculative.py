@@ -20,10 +20,10 @@ import sys
 
 from bench.clients import LoadResult, run_engine
 from bench.run import ROOT
-from cluster import rpc_server
+from deployments.stage import server as rpc_server
 from engine import Engine, EngineConfig
+from engine.config import SpeculativeConfig
 from engine.models import GEMMA_MODEL
-from engine.speculative import SpeculativeConfig
 
 PORT = 50191
 N_GEN = 128

@@ -90,7 +90,8 @@ def check_config(config: str) -> list[str]:
         ServeDeploySchema.model_validate(cfg) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(cfg)
     except Exception as e:  # Serve's schema: unknown or mistyped top-level keys
         problems.append(f"{config}: {e}")
-    from deployments.app import AppArgs, check_exposure
+    from deployments.app import check_exposure
+    from deployments.args import AppArgs
 
     host = str((cfg.get("http_options") or {}).get("host", "127.0.0.1"))
     for app in cfg.get("applications") or []:

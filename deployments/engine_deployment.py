@@ -22,6 +22,7 @@ from ray.serve.config import RequestRouterConfig
 
 from deployments.api.base import ApiError, BodyError
 from deployments.api.values import Prepared, Submitted
+from deployments.args import PEER_RESOURCE, RpcArgs
 from deployments.router import STATS_PERIOD_S, Route
 from deployments.streams import EngineStreams
 from engine import (
@@ -56,8 +57,6 @@ def wait_for_endpoint(endpoint: str, timeout_s: float) -> None:
 
 def _on_peer_node() -> bool:
     """Whether this replica runs on a node with the peer stage's resource."""
-    from deployments.app import PEER_RESOURCE
-
     me = ray.get_runtime_context().get_node_id()
     return any(n["NodeID"] == me and PEER_RESOURCE in n.get("Resources", {}) for n in ray.nodes())
 
@@ -90,8 +89,7 @@ class EngineDeployment:
         self._replica = _replica_tag()
         self._stage = None  # a pair's own stage actor; None: the app's shared one
         if pair_stage is not None:
-            from cluster.rpc_stage import start_pair_stage
-            from deployments.app import PEER_RESOURCE, RpcArgs
+            from deployments.stage.actor import start_pair_stage
 
             self._stage, endpoint = await asyncio.to_thread(
                 start_pair_stage, RpcArgs.model_validate(pair_stage), self._replica, PEER_RESOURCE)
@@ -427,7 +425,7 @@ class EngineDeployment:
     async def _stage_health(self) -> dict | None:
         if not self.config.rpc_endpoints:
             return None
-        from cluster.rpc_stage import get_stage
+        from deployments.stage.actor import get_stage
 
         try:
             stage = self._stage or get_stage()

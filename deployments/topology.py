@@ -40,7 +40,7 @@ class NodeFacts:
 
 
 @dataclass(frozen=True)
-class Choice:
+class TopologyChoice:
     topology: Literal["replicas", "layer_split", "single"]
     reason: str
     need_bytes: int
@@ -63,7 +63,7 @@ def model_needs(model: str, n_ctx: int) -> int:
     return os.path.getsize(model) + kv_bytes(model, n_ctx)
 
 
-def choose(requested: Topology, need: int, nodes: list[NodeFacts], split_configured: bool) -> Choice:
+def choose(requested: Topology, need: int, nodes: list[NodeFacts], split_configured: bool) -> TopologyChoice:
     """The topology for a model needing ``need`` bytes on a cluster of ``nodes`` (the nodes
     that serve it: those with a stage resource, else all). ``split_configured``: the config
     has an RPC stage (``rpc``), which the layer split needs."""
@@ -72,18 +72,18 @@ def choose(requested: Topology, need: int, nodes: list[NodeFacts], split_configu
     gib = 1 << 30
     what = f"the model needs {need / gib:.2f} GiB; the smallest of {len(nodes)} node(s) has {smallest / gib:.2f} GiB"
     if requested == "replicas":
-        return Choice("replicas", f"configured ({what})", need, smallest, len(nodes))
+        return TopologyChoice("replicas", f"configured ({what})", need, smallest, len(nodes))
     if requested == "layer_split":
-        return Choice("layer_split", f"configured ({what})", need, smallest, len(nodes))
+        return TopologyChoice("layer_split", f"configured ({what})", need, smallest, len(nodes))
     if len(nodes) < 2:
-        return Choice("single", f"auto: one node ({what})", need, smallest, 1)
+        return TopologyChoice("single", f"auto: one node ({what})", need, smallest, 1)
     if fits:
-        return Choice("replicas", f"auto: fits one node with {100 * (1 - FIT_SHARE):.0f} % to spare, so each node "
+        return TopologyChoice("replicas", f"auto: fits one node with {100 * (1 - FIT_SHARE):.0f} % to spare, so each node "
                       f"serves a copy ({what})", need, smallest, len(nodes))
     if not split_configured:
-        return Choice("replicas", f"auto: does not fit one node, but the config has no rpc stage to split over; "
+        return TopologyChoice("replicas", f"auto: does not fit one node, but the config has no rpc stage to split over; "
                       f"replicas ({what})", need, smallest, len(nodes))
-    return Choice("layer_split", f"auto: does not fit one node, so its layers are split over a pair ({what})",
+    return TopologyChoice("layer_split", f"auto: does not fit one node, so its layers are split over a pair ({what})",
                   need, smallest, len(nodes))
 
 

@@ -7,7 +7,45 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.speculative import SpeculativeConfig
+
+class SpeculativeConfig(BaseModel):
+    """``speculative:`` of the engine's configuration."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["ngram", "draft"] = Field(
+        description="ngram: draft from the request's own prompt and output (no model); draft: a small "
+        "draft model with the target's vocabulary [--spec-type / --model-draft]."
+    )
+    model: str | None = Field(default=None, description="GGUF of the draft model (type draft) [-md].")
+    n_max: int = Field(default=8, ge=1, le=64, description="Most tokens drafted per row and step [--draft-max].")
+    n_min: int = Field(default=1, ge=1, le=64, description="Shorter drafts are not verified [--draft-min].")
+    p_min: float = Field(
+        default=0.75, ge=0.0, le=1.0,
+        description="type draft: a row stops drafting when the draft model's probability of its pick is "
+        "below this [--draft-p-min].",
+    )
+    ngram_min: int = Field(default=2, ge=1, le=16, description="type ngram: the shortest suffix looked up.")
+    ngram_max: int = Field(default=4, ge=1, le=16, description="type ngram: the longest suffix looked up.")
+    max_rows: int = Field(
+        default=4, ge=0,
+        description="Draft only in steps where the group has at most this many generating rows; above "
+        "it a step's batch already keeps the stages busy and verification costs more than it saves "
+        "(make bench-spec measures it). 0: never.",
+    )
+    draft_threads: int = Field(default=0, ge=0, description="type draft: threads of the draft context; 0: the local threads.")
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.type == "draft" and not self.model:
+            raise ValueError("speculative type 'draft' needs model: the draft GGUF")
+        if self.type == "ngram" and self.model:
+            raise ValueError("speculative type 'ngram' takes no model (did you mean type: draft?)")
+        if self.n_min > self.n_max:
+            raise ValueError(f"speculative n_min ({self.n_min}) exceeds n_max ({self.n_max})")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"speculative ngram_min ({self.ngram_min}) exceeds ngram_max ({self.ngram_max})")
+        return self
 
 
 class EngineConfig(BaseModel):

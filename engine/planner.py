@@ -16,7 +16,7 @@ from engine.batching import Entry, count_ubatches, order_entries
 from engine.slots import Slot, SlotState
 
 if TYPE_CHECKING:
-    from engine.speculative import SpeculativeConfig
+    from engine.config import SpeculativeConfig
 
 
 @dataclass(slots=True)

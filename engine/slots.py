@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.prefix import common_prefix
 from engine.text import TextStream
 from engine.types import Request
 
@@ -159,65 +158,3 @@ class Slot:
             request_id=self.req.id if self.req else None,
             cached_tokens=np.asarray(self.cache_tokens, dtype=np.int32),
         )
-
-
-# A prefix this close to the longest one counts as equal, so that the less busy group wins.
-NEAR_PREFIX = 0.9
-
-
-def choose_slot(
-    idle: list[SlotView],
-    prompt: np.ndarray,
-    last_used: dict[int, float],
-    similarity: float,
-    busy: dict[int, set[int]] | None = None,
-    held: dict[int, int] | None = None,
-    min_shared: int = 1,
-) -> SlotView:
-    """The slot for a new prompt.
-
-    Longest common prefix with the slot's own cached tokens when it covers at least
-    ``similarity`` of the prompt; among near-equal prefixes (and when no prefix is good
-    enough) the group with fewer busy slots, so that the groups share the load at any
-    concurrency; then the slot that keeps the group's busy sequence ids consecutive (one
-    micro-batch per step, see engine/batching.py); then least recently used.
-    ``busy`` maps a group to the sequence ids of its busy slots.
-
-    ``held`` (groups that share prefixes between their slots) maps a group to the longest
-    prefix of the prompt that any of its slots holds or is computing (``group_prefixes``).
-    When that is at least ``min_shared`` tokens and clearly longer than any idle slot's own, it is weighed against balance: a
-    group holding it counts one busy slot fewer, so it takes the request unless it is
-    already busier than another group by two or more.
-    """
-    if not idle:
-        raise ValueError("no idle slot")
-    busy = busy or {}
-    n = len(prompt)
-
-    def n_busy(v: SlotView) -> int:
-        return len(busy.get(v.group, ()))
-
-    def new_runs(v: SlotView) -> int:
-        seqs = busy.get(v.group, set())
-        return 1 - (v.seq_id - 1 in seqs) - (v.seq_id + 1 in seqs)
-
-    def rest(v: SlotView) -> tuple:
-        return (new_runs(v), last_used.get(v.id, 0.0), v.id)
-
-    def enough(k: int) -> bool:
-        return k > 0 and n > 0 and k / n >= similarity
-
-    lcp = {v.id: common_prefix(v.cached_tokens, prompt) for v in idle}
-    best = max(lcp.values())
-    in_group = {v.group: h if (h := (held or {}).get(v.group, 0)) >= min_shared else 0 for v in idle}
-    best_held = max(in_group.values())
-    if enough(best) and best >= NEAR_PREFIX * best_held:
-        near = [v for v in idle if lcp[v.id] >= NEAR_PREFIX * best]
-        return min(near, key=lambda v: (n_busy(v), -lcp[v.id], *rest(v)))
-    if enough(best_held):
-        def weighed(v: SlotView) -> tuple:
-            h = in_group[v.group]
-            return (n_busy(v) - (h >= NEAR_PREFIX * best_held), -h, -lcp[v.id], *rest(v))
-
-        return min(idle, key=weighed)
-    return min(idle, key=lambda v: (n_busy(v), *rest(v)))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from cluster import rpc_server
+from deployments.stage import server as rpc_server
 from engine import Engine, EngineConfig
 from engine.models import ensure_synthetic_model
 from engine.synthetic_model import ModelShape, write_model

@@ -11,8 +11,9 @@ import pytest
 from pydantic import ValidationError
 
 from engine import EngineConfig, SamplingParams
+from engine.config import SpeculativeConfig
 from engine.slots import MAX_BACKOFF, SpecState
-from engine.speculative import SpeculativeConfig, ngram_draft
+from engine.speculative import ngram_draft
 from observability.metrics import EngineMetrics
 
 PROMPTS = [
@@ -273,7 +274,7 @@ def test_backend_sampling_does_not_draft(make_engine, model_path):
 
 
 def test_the_serve_args_take_the_speculative_key():
-    from deployments.app import AppArgs
+    from deployments.args import AppArgs
 
     args = AppArgs(speculative={"type": "ngram", "n_max": 4})
     assert args.speculative.type == "ngram" and args.speculative.n_max == 4

@@ -143,7 +143,7 @@ def test_a_shared_prefix_is_copied_on_the_peer_not_over_the_link(make_engine):
     """The copy of a prefix's KV on the peer is the RPC server's own: what crosses the link for
     a request that copies 300 tokens' KV is what crosses for one that reuses its own cache,
     give or take the copy commands, far under the KV it copies. Output as without sharing."""
-    from cluster import rpc_server
+    from deployments.stage import server as rpc_server
     from engine.types import Request
 
     port = RPC_PORT + 7

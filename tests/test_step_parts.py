@@ -10,11 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine.config import SpeculativeConfig
 from engine.params import SamplingParams
 from engine.planner import draft_requests, plan_step
 from engine.prefix import PrefixCache, group_prefixes, keep_prefix
-from engine.slots import Slot, SlotState, SlotView, choose_slot
-from engine.speculative import SpeculativeConfig
+from engine.scheduler import choose_slot
+from engine.slots import Slot, SlotState, SlotView
 from engine.types import Request
 
 PARAMS = SamplingParams(temperature=0, max_tokens=64)

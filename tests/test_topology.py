@@ -49,7 +49,7 @@ def test_a_node_without_the_model_file_is_named():
 
 
 def test_a_config_written_for_the_split_serves_as_replicas_unchanged():
-    from deployments.app import AppArgs
+    from deployments.args import AppArgs
 
     a = AppArgs(devices=["RPC0", "CPU"], peer_layers=5, rpc_endpoints=["10.0.0.2:50052"], rpc={"port": 50052})
     cfg = a.replica_config()

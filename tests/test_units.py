@@ -5,8 +5,10 @@ import pytest
 from pydantic import ValidationError
 
 from engine.config import EngineConfig
+from engine.prefix import common_prefix
 from engine.sampling import SamplingParams
-from engine.slots import SlotView, choose_slot, common_prefix
+from engine.scheduler import choose_slot
+from engine.slots import SlotView
 
 
 @pytest.mark.parametrize(
@@ -140,7 +142,7 @@ def test_count_ubatches_follows_llama_cpp_split_rules():
 
 
 def test_app_args_refuse_unsafe_rpc_bind_and_bad_groups():
-    from deployments.app import AppArgs, RpcArgs
+    from deployments.args import AppArgs, RpcArgs
 
     for wildcard in ("0.0.0.0", "0", "0.0", "000.0.0.0", "::", "[::]", "0:0::0", " "):
         with pytest.raises(ValidationError, match="unauthenticated"):
@@ -177,7 +179,7 @@ def test_sse_events_encode_as_openai_chunks():
 
 
 def test_app_args_are_the_engine_config_plus_the_deployments_keys(monkeypatch):
-    from deployments.app import AppArgs
+    from deployments.args import AppArgs
     from engine import EngineConfig
 
     monkeypatch.setenv("PGROUPS_PROFILE", "1")

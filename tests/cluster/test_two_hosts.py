@@ -69,7 +69,7 @@ def ray_pids(node: tb.Node) -> list[int]:
 
 
 def rpc_server_pids() -> list[int]:
-    return tb.netns_pids_matching(tb.PEER, "cluster.rpc_server")
+    return tb.netns_pids_matching(tb.PEER, "deployments.stage.server")
 
 
 def test_ray_up_makes_a_two_node_cluster_with_the_token_on_both(bed):

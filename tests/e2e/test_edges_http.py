@@ -163,7 +163,7 @@ def test_an_engine_replica_restart_fails_only_its_requests_and_the_next_ones_com
 
 
 def test_a_stage_whose_settings_changed_is_restarted_not_reused(deploy):
-    from cluster.rpc_stage import get_stage
+    from deployments.stage.actor import get_stage
 
     deploy(APP)
     before = ray.get(get_stage().health.remote())

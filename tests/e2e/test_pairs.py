@@ -15,7 +15,7 @@ import httpx
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.rpc_stage import NAMESPACE, STAGE_NAME
+from deployments.stage.actor import NAMESPACE, STAGE_NAME
 from tests.e2e.streams import replicas_seen, served_by, stream_outcome
 
 APP = {

@@ -12,7 +12,7 @@ import time
 import httpx
 import ray
 
-from cluster.rpc_stage import get_stage
+from deployments.stage.actor import get_stage
 from tests.e2e.streams import stream_outcome
 from tests.e2e.test_http_api import APP as HTTP_APP
 

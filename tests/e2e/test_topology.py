@@ -13,7 +13,7 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.rpc_stage import NAMESPACE, STAGE_NAME
+from deployments.stage.actor import NAMESPACE, STAGE_NAME
 from tests.e2e.conftest import NODE_MEMORY
 from tests.e2e.streams import replicas_seen, served_by
 
@@ -59,7 +59,8 @@ def test_replicas_serve_a_whole_model_on_every_node_and_one_down_leaves_the_othe
 
 
 def test_auto_serves_replicas_when_the_model_fits_a_node_and_splits_it_when_not(deploy, model_path):
-    from deployments.app import AppArgs, plan_topology
+    from deployments.app import plan_topology
+    from deployments.args import AppArgs
 
     # each node states NODE_MEMORY; 64k cells of KV do not fit in it, 1k do
     big = plan_topology(AppArgs(model=model_path, n_ctx=65536, n_parallel=4, rpc={"port": 50155}))

@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from cluster import rpc_server
+from deployments.stage import server as rpc_server
 from observability.process import cpu_seconds, rss_bytes
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The ggml RPC server of the peer stage, as a process of its own.
 
-``python -m cluster.rpc_server --host H --port P`` serves the devices of this node to the
+``python -m deployments.stage.server --host H --port P`` serves the devices of this node to the
 engine's llama.cpp over TCP, from the installed llama-cpp-python (no extra binary). It
 blocks until killed; the stage actor runs it as a child so that a crash stays contained.
 """
@@ -19,7 +19,7 @@ from collections.abc import Callable
 def command(host: str, port: int, threads: int = 0, devices: list[str] | None = None,
             cache_dir: str | None = None, cpus: list[int] | None = None) -> list[str]:
     """The command line of a server process (the stage actor, the bench and the tests use it)."""
-    cmd = [sys.executable, "-m", "cluster.rpc_server", "--host", host, "--port", str(port)]
+    cmd = [sys.executable, "-m", "deployments.stage.server", "--host", host, "--port", str(port)]
     if threads:
         cmd += ["--threads", str(threads)]
     for d in devices or []:
@@ -52,7 +52,7 @@ def launch(host: str, port: int, threads: int = 1, timeout_s: float = 60.0,
            preexec_fn: Callable[[], None] | None = None, **kw: object) -> subprocess.Popen:
     """Start a server process and return once it listens (read from the kernel, not by connecting:
     the server serves one client at a time, and a probe would queue behind the engine)."""
-    from cluster.rpc_stage import port_listening
+    from deployments.stage.actor import port_listening
 
     proc = subprocess.Popen(command(host, port, threads, **kw), stdout=subprocess.DEVNULL,  # type: ignore[arg-type]
                             preexec_fn=preexec_fn)
