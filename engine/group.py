@@ -29,7 +29,7 @@ from engine.config import EngineConfig
 from engine.native import Model, NativeError
 from engine.planner import Plan, Row, draft_requests, generating, plan_step
 from engine.prefix import Reuse
-from engine.processor import OutputProcessor, final_output, progress_output
+from engine.processor import Ending, OutputProcessor, final_output, progress_output
 from engine.runner import Runner
 from engine.sampling import SamplerChain
 from engine.slots import Slot, SlotState, SlotView
@@ -269,17 +269,16 @@ class PipelineGroup:
 
     def _step(self) -> None:
         """One step: plan, run, process, send; each part timed by the profiler."""
-        prof, runner = self.prof, self.runner
-        t0 = time.perf_counter()
-        drafts = self._drafts()
-        t1 = time.perf_counter()
-        prof.add("draft", t1 - t0)
-        plan = plan_step(self.active, drafts, runner.capacity, runner.n_ubatch, self.config.kv_unified)
-        runner.fill(plan)
-        t2, c2 = time.perf_counter(), time.thread_time()
-        prof.add("batch", t2 - t1)
+        prof, runner, proc = self.prof, self.runner, self.processor
+        with prof.timed("draft"):
+            drafts = self._drafts()
+        with prof.timed("batch"):
+            plan = plan_step(self.active, drafts, runner.capacity, runner.n_ubatch, self.config.kv_unified)
+            runner.fill(plan)
+        c0 = time.thread_time()
         try:
-            runner.decode(plan)
+            with prof.timed("decode"):
+                runner.decode(plan)
         except NativeError as e:
             self._fail_batch([en.slot for en in plan.entries], str(e))
             if e.rc < 0:
@@ -287,13 +286,34 @@ class PipelineGroup:
                 # trusted any more; the group stops and the engine reports itself unhealthy
                 raise
             return
-        t3 = time.perf_counter()
-        prof.add("decode", t3 - t2)
         # CPU time of this thread in decode: the local stage's compute when it runs on the CPU
-        prof.add("decode_cpu", time.thread_time() - c2)
-        logits = runner.logits(plan)
-        t4 = time.perf_counter()
-        prof.add("sync", t4 - t3)
+        prof.add("decode_cpu", time.thread_time() - c0)
+        with prof.timed("sync"):
+            logits = runner.logits(plan)
+        with prof.timed("sample"):
+            outs = self._prompt_progress(plan)
+            self._share(plan)
+            tokens = proc.sample(plan, logits)
+            proc.verify(plan, tokens)
+        for r, toks in zip(plan.rows, tokens, strict=True):
+            got = proc.emit(r.slot, toks)
+            if isinstance(got, Ending):  # the request ends: the group frees its slot
+                outs.append(self._finish(r.slot, got.reason, got.text, **got.figures))
+                continue
+            if got is not None:
+                outs.append(got)
+            if r.slot.n_generated == 1 and r.slot.state is SlotState.GENERATING:
+                self.on_release(r.slot.view(), False)  # began generating: published once (/slots, the page)
+        with prof.timed("send"):
+            if outs:
+                self.sink(outs)
+        n_busy = len(self.active) + sum(1 for o in outs if o.finish_reason)
+        prof.end_step(sum(len(t) for t in tokens), plan.n_tokens, n_busy,
+                      sum(len(s.cache_tokens) for s in self.slots), plan.n_ubatches, self.prefix.n_copied)
+
+    @staticmethod
+    def _prompt_progress(plan: Plan) -> list[Output]:
+        """Count the prompt chunks this step evaluated; llama-server's prompt progress where asked."""
         progress = []
         for e in plan.entries:
             s = e.slot
@@ -301,24 +321,7 @@ class PipelineGroup:
                 s.n_prompt_done += len(e.tokens)
                 if s.req.params.return_progress:
                     progress.append(progress_output(s))
-        self._share(plan)
-        proc = self.processor
-        tokens = proc.sample(plan, logits)
-        proc.verify(plan, tokens)
-        t5 = time.perf_counter()
-        prof.add("sample", t5 - t4)
-        outs = progress + [o for r, toks in zip(plan.rows, tokens, strict=True)
-                           if (o := proc.emit(r.slot, toks, self._finish)) is not None]
-        for r in plan.rows:  # a slot that began generating this step: published once (/slots, the page)
-            if r.slot.n_generated == 1 and r.slot.state is SlotState.GENERATING:
-                self.on_release(r.slot.view(), False)
-        t6 = time.perf_counter()
-        if outs:
-            self.sink(outs)
-        prof.add("send", time.perf_counter() - t6)
-        n_busy = len(self.active) + sum(1 for o in outs if o.finish_reason)
-        prof.end_step(sum(len(t) for t in tokens), plan.n_tokens, n_busy,
-                      sum(len(s.cache_tokens) for s in self.slots), plan.n_ubatches, self.prefix.n_copied)
+        return progress
 
     def _drafts(self) -> dict[int, list[int]]:
         """This step's drafts (slot id -> tokens), when the group speculates this step."""

@@ -10,8 +10,8 @@ frees what the slot held and publishes it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,8 +25,15 @@ from engine.tokenizer import Tokenizer
 from engine.types import FinishReason, Output
 from observability.profiler import GroupProfiler
 
-# finish(slot, reason, text, **figures) -> the request's final Output (the slot is idle after)
-Finish = Callable[..., Output]
+
+@dataclass(frozen=True)
+class Ending:
+    """A request that ends this step: why, its last text and the figures of its final output
+    (the group ends it: the processor never frees a slot)."""
+
+    reason: FinishReason
+    text: str
+    figures: dict
 
 
 def final_output(s: Slot, reason: FinishReason, text: str, *, error: str | None = None, status: int = 0,
@@ -170,9 +177,9 @@ class OutputProcessor:
 
     # ---- post-processing --------------------------------------------------------------------
 
-    def emit(self, s: Slot, toks: list[int], finish: Finish) -> Output | None:
-        """Account for the tokens sampled for slot ``s`` this step; returns what to send (a
-        final output when the request ends: ``finish`` makes it and frees the slot)."""
+    def emit(self, s: Slot, toks: list[int]) -> Output | Ending | None:
+        """Account for the tokens sampled for slot ``s`` this step; returns what to send, or
+        the ``Ending`` of a request that ends (the group makes its final output)."""
         prof = self.prof
         t0 = time.perf_counter()
         r = s.req
@@ -181,9 +188,9 @@ class OutputProcessor:
         emitted: list[int] = []
         lps: list = []
 
-        def done(reason: FinishReason, tail: str, n: int, **kw: object) -> Output:
-            return finish(s, reason, "".join(texts) + tail, n_tokens=n, tokens=tuple(emitted),
-                          logprobs=tuple(lps) or None, **kw)
+        def done(reason: FinishReason, tail: str, n: int, **kw: object) -> Ending:
+            return Ending(reason, "".join(texts) + tail,
+                          {"n_tokens": n, "tokens": tuple(emitted), "logprobs": tuple(lps) or None, **kw})
 
         if r.n_predict == 0:  # llama-server's n_predict 0: the prompt is evaluated (and cached), nothing generated
             return done(FinishReason.LENGTH, "", 0)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,15 @@ class GroupProfiler:
         self._log_enabled = enabled_log
         self._last_log_t = time.monotonic()
         self._last_log_snap = self.snapshot
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Time the block as ``phase`` (however it ends)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(phase, time.perf_counter() - t0)
 
     def add(self, phase: str, seconds: float) -> None:
         self._acc[phase] += seconds
