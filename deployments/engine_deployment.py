@@ -20,7 +20,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from deployments.api.base import ApiError, BodyError
+from deployments.api.base import CLIENT_ERRORS, ApiError, BodyError
 from deployments.api.values import Prepared, Submitted
 from deployments.args import PEER_RESOURCE, RpcArgs
 from deployments.router import STATS_PERIOD_S, Route
@@ -193,7 +193,7 @@ class EngineDeployment:
             prepared: Prepared = await asyncio.to_thread(req.prepare, self.engine, request_id)
         except BodyError as e:
             return ApiError(e.status, e.message)
-        except (ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError) as e:
+        except CLIENT_ERRORS as e:
             # the body's shape, met while its prompt is made: the client's 400 (RequestError,
             # a template's error, pydantic's, or what a value of the wrong type raises)
             return ApiError(400, str(e)[:1000] or type(e).__name__)
@@ -220,7 +220,7 @@ class EngineDeployment:
             return await asyncio.to_thread(req.run, self.engine)
         except BodyError as e:
             return ApiError(e.status, e.message)
-        except (ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError) as e:
+        except CLIENT_ERRORS as e:
             return ApiError(400, str(e)[:1000] or type(e).__name__)
 
     async def props(self) -> dict:

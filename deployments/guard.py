@@ -98,7 +98,6 @@ class Guard:
     def __init__(self, app: Any, settings_of: Callable[[], GuardSettings | None]) -> None:
         self.app = app
         self.settings_of = settings_of
-        self.settings = GuardSettings()
         self.ongoing: dict[str, int] = {}  # client address -> requests in flight (no entry at 0)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
@@ -106,13 +105,12 @@ class Guard:
         if s is None:
             await self.app(scope, receive, send)
             return
-        self.settings = s
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or ()}
         origin = headers.get("origin")
         path = scope.get("path", "")
-        cors = self._cors(origin)
+        cors = self._cors(s, origin)
         try:
-            self._check_host(scope, headers, path)
+            self._check_host(s, scope, headers, path)
             if origin is not None and not same_origin(origin, headers.get("host", "")) and cors is None:
                 raise _Refused(403, f"requests from the origin {origin[:200]!r} are refused: a web page may not "
                                "use this server unless its config lists the origin in cors_origins")
@@ -124,13 +122,11 @@ class Guard:
                 if kind != "application/json":
                     raise _Refused(415, "a request from a web page must send its body as application/json")
         except _Refused as e:
-            self._count(str(e.status))
-            await self._refuse(send, path, e, cors)
+            await self._refuse(s, send, path, e, cors)
             return
         client = (scope.get("client") or ("?", 0))[0]
         if self.ongoing.get(client, 0) >= s.max_requests_per_client:
-            self._count("429")
-            await self._refuse(send, path, _Refused(
+            await self._refuse(s, send, path, _Refused(
                 429, f"too many requests in flight from {client} (max_requests_per_client "
                 f"{s.max_requests_per_client})", {"Retry-After": "1"}), cors)
             return
@@ -138,10 +134,9 @@ class Guard:
         try:
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 try:
-                    receive = await self._buffered(receive, headers)
+                    receive = await self._buffered(s, receive, headers)
                 except _Refused as e:
-                    self._count(str(e.status))
-                    await self._refuse(send, path, e, cors, close=True)
+                    await self._refuse(s, send, path, e, cors, close=True)
                     return
                 except _Gone:
                     return
@@ -155,9 +150,9 @@ class Guard:
 
     # ---- the checks --------------------------------------------------------------------------
 
-    def _check_host(self, scope: dict, headers: dict[str, str], path: str) -> None:
+    @staticmethod
+    def _check_host(s: GuardSettings, scope: dict, headers: dict[str, str], path: str) -> None:
         """No API key and reached on a loopback address: only loopback Host names (or listed ones)."""
-        s = self.settings
         if not s.keyless or path in EXEMPT_PATHS:
             return
         server = (scope.get("server") or ("", 0))[0] or ""
@@ -169,9 +164,10 @@ class Guard:
         raise _Refused(403, f"the Host {name[:200]!r} is not served: without an api_key this server answers "
                        "loopback names only (list others in allowed_hosts)")
 
-    def _cors(self, origin: str | None) -> dict[str, str] | None:
+    @staticmethod
+    def _cors(s: GuardSettings, origin: str | None) -> dict[str, str] | None:
         """The CORS headers for a listed origin; None: not listed."""
-        listed = self.settings.cors_origins
+        listed = s.cors_origins
         if origin is None or not listed:
             return None
         if "*" in listed:
@@ -188,10 +184,10 @@ class Guard:
                     "headers": [(k.lower().encode(), v.encode("latin-1", "replace")) for k, v in allow.items()]})
         await send({"type": "http.response.body", "body": b""})
 
-    async def _buffered(self, receive: Callable, headers: dict[str, str]) -> Callable:
+    @staticmethod
+    async def _buffered(s: GuardSettings, receive: Callable, headers: dict[str, str]) -> Callable:
         """The whole body, read within its deadline, as a ``receive`` that hands it over at once
         (then the connection's own, for the disconnect)."""
-        s = self.settings
         limit = s.max_body_bytes
         cl = headers.get("content-length")
         if cl is not None and cl.strip().isdigit() and int(cl) > limit:
@@ -229,12 +225,12 @@ class Guard:
 
     # ---- answers -----------------------------------------------------------------------------
 
-    def _count(self, status: str) -> None:
-        self.settings.refused[status] = self.settings.refused.get(status, 0) + 1
-
-    async def _refuse(self, send: Callable, path: str, e: _Refused, cors: dict[str, str] | None,
+    @staticmethod
+    async def _refuse(s: GuardSettings, send: Callable, path: str, e: _Refused, cors: dict[str, str] | None,
                       close: bool = False) -> None:
-        body = json.dumps(self.settings.error_shape(path)(e.status, e.message)).encode()
+        """The refusal in the route's error shape, counted by status."""
+        s.refused[str(e.status)] = s.refused.get(str(e.status), 0) + 1
+        body = json.dumps(s.error_shape(path)(e.status, e.message)).encode()
         hdrs = {"content-type": "application/json", "content-length": str(len(body)), **e.headers, **(cors or {})}
         if close:
             hdrs["connection"] = "close"

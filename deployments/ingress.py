@@ -294,11 +294,11 @@ class Ingress:
         self._check_model(getattr(req, "model", None))
         return req
 
-    def answer_of(self, res: Any, shape: Callable[[Any], Any] = lambda r: r) -> Response:
-        """An engine call's result as an answer: its error, or ``shape(result)``."""
+    def answer_of(self, res: Any) -> Response:
+        """An engine call's result as an answer: its error, or the result."""
         if isinstance(res, ApiError):
             return err_response(res.status, res.message)
-        return Answering(shape(res))
+        return Answering(res)
 
     async def each_replica(self, call: Callable[[Any, str | None], Any]) -> list[Any]:
         """``call(engine, replica)`` on every engine replica this ingress holds a stream to (else on any)."""
@@ -368,7 +368,7 @@ class Ingress:
             status, message = _error_status(failed)
             return err_response(status, message, headers={"Retry-After": "1"} if status == 503 else None,
                                 shape=ep.error)
-        if len(lasts) < p.n:  # the wait timed out (504) before an output came
+        if not p.finished:  # the wait timed out (504) before every choice's last output came
             return err_response(504, f"request timed out after {self.request_timeout_s} s", shape=ep.error)
         return Answering(shaper.final())
 
@@ -376,15 +376,13 @@ class Ingress:
         opening = shaper.opening()
         if opening:
             yield opening
-        done: set[str] = set()
         async for batch in self._outputs(rid, p):
             out = shaper.events(batch)
             failed = next((o for o in batch if o.finish_reason is not None and o.finish_reason.failed), None)
             if failed is not None:
                 yield out + shaper.failed(*_error_status(failed))
                 return
-            done.update(o.request_id for o in batch if o.finish_reason is not None)
-            if len(done) >= p.n:
+            if p.finished:  # every choice's last output has come (_outputs counts them)
                 yield out + shaper.closing()
                 return
             if out:

@@ -296,14 +296,16 @@ class PipelineGroup:
             tokens = proc.sample(plan, logits)
             proc.verify(plan, tokens)
         for r, toks in zip(plan.rows, tokens, strict=True):
-            got = proc.emit(r.slot, toks)
+            s = r.slot
+            was_prompt = s.state is SlotState.PROMPT
+            got = proc.emit(s, toks)
             if isinstance(got, Ending):  # the request ends: the group frees its slot
-                outs.append(self._finish(r.slot, got.reason, got.text, **got.figures))
+                outs.append(self._finish(s, got.reason, got.text, **got.figures))
                 continue
             if got is not None:
                 outs.append(got)
-            if r.slot.n_generated == 1 and r.slot.state is SlotState.GENERATING:
-                self.on_release(r.slot.view(), False)  # began generating: published once (/slots, the page)
+            if was_prompt and s.state is SlotState.GENERATING:
+                self.on_release(s.view(), False)  # began generating: published once (/slots, the page)
         with prof.timed("send"):
             if outs:
                 self.sink(outs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.api.base import validate_body
+from deployments.api.base import read_request
 from deployments.api.generation import timings
 from deployments.api.llama import LlamaCompletionRequest, completion_probabilities
 from deployments.api.openai import ChatCompletionRequest, CompletionRequest
@@ -15,21 +15,21 @@ from engine.types import FinishReason, Output
 
 def test_unknown_fields_are_ignored_and_named_or_refused_when_strict():
     body = {"prompt": "x", "frobnicate": 1, "return_progress": True, "timings_per_token": True, "mystery": {"a": 1}}
-    req, unknown = validate_body(CompletionRequest, body)
+    req, unknown = read_request(CompletionRequest, body)
     assert req.prompt == "x" and sorted(unknown) == ["frobnicate", "mystery"]  # llama-server's own are known
     with pytest.raises(ValueError, match="unknown fields .*frobnicate.*mystery"):
-        validate_body(CompletionRequest, body, strict=True)
-    req, unknown = validate_body(CompletionRequest, {"prompt": "x", "stream": False}, strict=True)
+        read_request(CompletionRequest, body, strict=True)
+    req, unknown = read_request(CompletionRequest, {"prompt": "x", "stream": False}, strict=True)
     assert unknown == []
 
 
 def test_null_means_the_default_for_every_field():
-    req, _ = validate_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "n": None,
+    req, _ = read_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "n": None,
                                                    "stream": None, "ignore_eos": None, "cache_prompt": None,
                                                    "temperature": None, "stop": None, "id_slot": None})
     assert req.n == 1 and req.stream is False and req.ignore_eos is False and req.cache_prompt is True
     assert req.id_slot == -1 and req.sampling(16).temperature == 0.8
-    r, _ = validate_body(ResponsesRequest, {"input": "hi", "include": [], "stream": None, "tools": None})
+    r, _ = read_request(ResponsesRequest, {"input": "hi", "include": [], "stream": None, "tools": None})
     assert r.to_chat().messages[0].content == "hi"
 
 

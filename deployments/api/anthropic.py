@@ -292,8 +292,7 @@ def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
 
 MESSAGES = Generate(("/v1/messages",), MessagesRequest, "msg-", MessagesShaper, error=error_body,
                     summary="Anthropic's Messages API; its errors in Anthropic's shape")
-COUNT_TOKENS = Call(("/v1/messages/count_tokens",), CountTokensRequest, lambda engine, req: engine.run.remote(req),
-                    error=error_body, summary="Anthropic's token count of a Messages request")
+COUNT_TOKENS = Call(("/v1/messages/count_tokens",), CountTokensRequest, error=error_body, summary="Anthropic's token count of a Messages request")
 
 ENDPOINTS = (MESSAGES, COUNT_TOKENS)
 ROUTES = ()

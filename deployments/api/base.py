@@ -25,6 +25,11 @@ MAX_UNKNOWN_PER_BODY = 32  # unknown field names kept of one body
 NEG_INF_LOGPROB = -9999.0  # how OpenAI and vLLM write a log probability of minus infinity
 
 
+# what a value of the wrong shape raises in a validator, a conversion or a prompt's making:
+# the client's 400 wherever it is met (the ingress's boundary, the engine's prepare and run)
+CLIENT_ERRORS = (ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError)
+
+
 class BodyError(ValueError):
     """A body this server cannot take: the client's fault (400 unless ``status`` says else)."""
 
@@ -137,18 +142,13 @@ def read_request(model_cls: type[BaseModel], body: dict[str, Any], strict: bool 
         raise BodyError(message, param) from None
     except BodyError:
         raise
-    except (ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError) as e:
+    except CLIENT_ERRORS as e:
         raise BodyError(f"the body's shape is not one {model_cls.__name__} takes: {str(e)[:300] or type(e).__name__}") \
             from None
     if strict and unknown:
         raise BodyError(f"unknown fields {sorted(set(unknown))}: Extra inputs are not permitted "
                         "(strict_request_fields is on)")
     return req, unknown
-
-
-def validate_body(model_cls: type[BaseModel], body: dict[str, Any], strict: bool = False) -> tuple[Any, list[str]]:
-    """``read_request`` (the name the tests and tools know)."""
-    return read_request(model_cls, body, strict)
 
 
 # ---- errors --------------------------------------------------------------------------------------
@@ -319,18 +319,21 @@ class Generate:
     summary: str = ""
 
 
+def on_engine(engine: Any, req: Any) -> Awaitable[Any]:
+    """``req.run(engine)`` on an engine replica (the engine deployment's ``run``)."""
+    return engine.run.remote(req)
+
+
 @dataclass(frozen=True)
 class Call:
     """An endpoint whose body is one call on the engine replica and one JSON answer:
-    ``call(engine_handle, request)`` is awaited; ``answer(result, request, model)`` is the
-    body of a result that is not an ``ApiError``."""
+    ``call(engine_handle, request)`` is awaited (by default the request's own ``run`` there);
+    ``answer(result, request, model)`` is the body of a result that is not an ``ApiError``."""
 
     paths: tuple[str, ...]
     request: type[BaseModel]
-    call: Callable[[Any, Any], Awaitable[Any]]
+    call: Callable[[Any, Any], Awaitable[Any]] = on_engine
     answer: Callable[[Any, Any, str], Any] = lambda result, _req, _model: result
     error: ErrorShape = openai_error
     summary: str = ""
 
-
-Endpoint = Generate | Call

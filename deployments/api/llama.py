@@ -26,7 +26,6 @@ from deployments.api.base import (
 )
 from deployments.api.generation import prompt_progress, timings
 from deployments.api.openai import (
-    EMBEDDINGS,
     ChatMessage,
     CompletionRequest,
     EmbeddingRequest,
@@ -299,16 +298,12 @@ class ApplyTemplateRequest(ApiModel):
                                                                kwargs=self.chat_template_kwargs)}
 
 
-def _on_engine(engine: Any, req: Any) -> Any:
-    return engine.run.remote(req)
-
-
-TOKENIZE = Call(("/tokenize",), TokenizeRequest, _on_engine, summary="llama-server's tokenizer")
-DETOKENIZE = Call(("/detokenize",), DetokenizeRequest, _on_engine, summary="llama-server's detokenizer")
-APPLY_TEMPLATE = Call(("/apply-template",), ApplyTemplateRequest, _on_engine,
+TOKENIZE = Call(("/tokenize",), TokenizeRequest, summary="llama-server's tokenizer")
+DETOKENIZE = Call(("/detokenize",), DetokenizeRequest, summary="llama-server's detokenizer")
+APPLY_TEMPLATE = Call(("/apply-template",), ApplyTemplateRequest,
                       summary="llama-server's: the prompt the chat template makes of messages")
-EMBEDDING = Call(("/embedding",), EmbeddingRequest, EMBEDDINGS.call,
-                 lambda res, _req, _model: [{"index": i, "embedding": [v.tolist()]} for i, v in enumerate(res.vectors)],
+EMBEDDING = Call(("/embedding",), EmbeddingRequest,
+                 answer=lambda res, _req, _model: [{"index": i, "embedding": [v.tolist()]} for i, v in enumerate(res.vectors)],
                  summary="llama-server's embeddings: [{index, embedding: [vector]}]")
 
 ENDPOINTS = (LLAMA, INFILL, TOKENIZE, DETOKENIZE, APPLY_TEMPLATE, EMBEDDING)

@@ -461,8 +461,7 @@ def _embeddings_answer(res: Embedded, req: EmbeddingRequest, model: str) -> dict
             "usage": {"prompt_tokens": res.n_tokens, "total_tokens": res.n_tokens}}
 
 
-EMBEDDINGS = Call(("/v1/embeddings", "/embeddings"), EmbeddingRequest, lambda engine, req: engine.run.remote(req),
-                  _embeddings_answer, summary="OpenAI's embeddings: a normalised vector per input, as floats or "
+EMBEDDINGS = Call(("/v1/embeddings", "/embeddings"), EmbeddingRequest, answer=_embeddings_answer, summary="OpenAI's embeddings: a normalised vector per input, as floats or "
                   "base64 (float32)")
 
 ENDPOINTS = (CHAT, COMPLETION, EMBEDDINGS)
