@@ -6,11 +6,14 @@ handled between two steps: a new request, a cancel, a slot save/restore/erase.
 
 A step is three parts on this thread, each its own unit: the planner (engine/planner.py)
 lays out what to compute (decode rows of generating slots first, then prompt chunks up to
-the batch's capacity) without a native call; the runner (engine/runner.py) owns the context,
-batch, drafter and prefix cache and turns the plan into logits, read once; the output
-processor (engine/processor.py) samples every row, verifies drafts, detokenises, checks
-stops and makes the step's ``Output``s, handed to the sink in one call. The loop here wraps
-each part with the profiler.
+the batch's capacity, and the KV copies for slots waiting on a prefix) without a native
+write; the runner (engine/runner.py) owns the context, batch, drafter and prefix cache and
+turns the plan into logits, read once; the output processor (engine/processor.py) samples
+every row, verifies drafts, detokenises, checks stops and returns the step's ``Output``s and
+the requests that end; the group frees those slots and hands the outputs to the sink in one
+call. A request's start is planned and carried out the same way (``plan_start``,
+``Runner.begin``); the runner also saves and loads a slot's KV. The group keeps the inbox,
+the thread, failure handling and what it publishes.
 """
 
 from __future__ import annotations
@@ -27,11 +30,9 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.native import Model, NativeError
-from engine.planner import Plan, Row, draft_requests, generating, plan_step
-from engine.prefix import Reuse
-from engine.processor import Ending, OutputProcessor, final_output, progress_output
+from engine.planner import draft_requests, generating, plan_start, plan_step
+from engine.processor import OutputProcessor, final_output
 from engine.runner import Runner
-from engine.sampling import SamplerChain
 from engine.slots import Slot, SlotState, SlotView
 from engine.tokenizer import Tokenizer
 from engine.types import SHUTTING_DOWN, FinishReason, Output, Request
@@ -233,34 +234,8 @@ class PipelineGroup:
 
     def _begin_one(self, r: Request, leader: Slot | None = None) -> Slot:
         s = self._by_id[r.slot_id]
-        assert s.state is SlotState.IDLE, f"slot {s.id} is busy"
-        tokens = r.prompt_tokens
-        reuse_ok = self.config.cache_prompt and r.cache_prompt
-        pc = self.prefix
-        # a follower reuses nothing of its own: the leader's prompt comes as a copy
-        plan = pc.plan(s, tokens, self.slots, own=reuse_ok, share=reuse_ok) if leader is None else Reuse()
-        if plan.source is not None and plan.ready:
-            n_reused = plan.shared if pc.copy(plan.source, s, plan.shared) else 0
-        else:
-            n_reused = pc.keep(s, plan.own)
-        backend = self.config.backend_sampling
-        sampler = SamplerChain(r.params, self.n_vocab, self.config.seed, force_chain=backend,
-                               banned=self.tok.eog_tokens if r.params.ignore_eos else (),
-                               vocab=self.model.vocab, grammar=r.grammar)
-        try:
-            sampler.accept_prompt(tokens)
-        except BaseException:
-            sampler.close()
-            raise
-        if leader is not None:  # an n > 1 follower: the whole prompt, then the leader's row
-            s.start(r, sampler, 0, leader=leader, share=len(tokens), joins=True)
-        elif plan.source is not None and not plan.ready:  # a prefix on its way in another slot
-            s.start(r, sampler, n_reused, leader=plan.source, share=plan.shared)
-        else:
-            s.start(r, sampler, n_reused)
-        # a family samples on the host: its followers' first token comes from the leader's row
-        if backend and sampler.offloadable and not r.followers and leader is None:
-            self.runner.attach(s)
+        start = plan_start(s, r, self.slots, self.prefix, self.config.cache_prompt, leader)
+        self.runner.begin(start, banned=self.tok.eog_tokens if r.params.ignore_eos else ())
         self.active.append(s)
         self.on_release(s.view(), False)
         return s
@@ -269,15 +244,15 @@ class PipelineGroup:
 
     def _step(self) -> None:
         """One step: plan, run, process, send; each part timed by the profiler."""
-        prof, runner, proc = self.prof, self.runner, self.processor
+        prof, runner = self.prof, self.runner
         with prof.timed("draft"):
             drafts = self._drafts()
         with prof.timed("batch"):
             plan = plan_step(self.active, drafts, runner.capacity, runner.n_ubatch, self.config.kv_unified)
             runner.fill(plan)
-        c0 = time.thread_time()
         try:
-            with prof.timed("decode"):
+            # the thread's CPU time in decode: the local stage's compute when it runs on the CPU
+            with prof.timed("decode"), prof.cpu("decode_cpu"):
                 runner.decode(plan)
         except NativeError as e:
             self._fail_batch([en.slot for en in plan.entries], str(e))
@@ -286,44 +261,20 @@ class PipelineGroup:
                 # trusted any more; the group stops and the engine reports itself unhealthy
                 raise
             return
-        # CPU time of this thread in decode: the local stage's compute when it runs on the CPU
-        prof.add("decode_cpu", time.thread_time() - c0)
         with prof.timed("sync"):
             logits = runner.logits(plan)
-        with prof.timed("sample"):
-            outs = self._prompt_progress(plan)
-            self._share(plan)
-            tokens = proc.sample(plan, logits)
-            proc.verify(plan, tokens)
-        for r, toks in zip(plan.rows, tokens, strict=True):
-            s = r.slot
-            was_prompt = s.state is SlotState.PROMPT
-            got = proc.emit(s, toks)
-            if isinstance(got, Ending):  # the request ends: the group frees its slot
-                outs.append(self._finish(s, got.reason, got.text, **got.figures))
-                continue
-            if got is not None:
-                outs.append(got)
-            if was_prompt and s.state is SlotState.GENERATING:
-                self.on_release(s.view(), False)  # began generating: published once (/slots, the page)
+        plan.advance()
+        got = self.processor.process(plan, logits)
+        outs = got.outputs
+        for s, end in got.endings:  # the group frees their slots
+            outs.append(self._finish(s, end.reason, end.text, **end.figures))
+        for s in got.began:  # published once (/slots, the page)
+            self.on_release(s.view(), False)
         with prof.timed("send"):
             if outs:
                 self.sink(outs)
-        n_busy = len(self.active) + sum(1 for o in outs if o.finish_reason)
-        prof.end_step(sum(len(t) for t in tokens), plan.n_tokens, n_busy,
+        prof.end_step(got.n_sampled, plan.n_tokens, len(self.active) + len(got.endings),
                       sum(len(s.cache_tokens) for s in self.slots), plan.n_ubatches, self.prefix.n_copied)
-
-    @staticmethod
-    def _prompt_progress(plan: Plan) -> list[Output]:
-        """Count the prompt chunks this step evaluated; llama-server's prompt progress where asked."""
-        progress = []
-        for e in plan.entries:
-            s = e.slot
-            if s.state is SlotState.PROMPT:
-                s.n_prompt_done += len(e.tokens)
-                if s.req.params.return_progress:
-                    progress.append(progress_output(s))
-        return progress
 
     def _drafts(self) -> dict[int, list[int]]:
         """This step's drafts (slot id -> tokens), when the group speculates this step."""
@@ -331,29 +282,6 @@ class PipelineGroup:
             return {}
         rows = draft_requests(generating(self.active), self.spec, self.n_ctx_slot)
         return self.runner.draft(rows, self.spec.n_min)
-
-    def _share(self, plan: Plan) -> None:
-        """Slots waiting for a leader's prefix take it once the leader's KV holds it: a copy of
-        the leader's sequence, cut at the shared length. An n > 1 follower takes the whole
-        prompt and joins this step's rows on its leader's logits."""
-        rows: dict[int, Row] | None = None  # made only in a step that has a waiting slot
-        for e in plan.entries:
-            s = e.slot
-            for f in list(s.forks):
-                if not self.prefix.due(f):
-                    continue
-                n = f.share
-                got = self.prefix.copy(s, f, n)
-                if rows is None:
-                    rows = {r.slot.id: r for r in plan.rows}
-                if f.joins and got and s.id in rows:
-                    # the leader's whole prompt is in the KV: the follower samples its first
-                    # token from the leader's row of this step
-                    f.took(n)
-                    r = rows[s.id]
-                    plan.rows.append(Row(f, r.batch_idx, r.logits_idx, [], r.pos0))
-                else:  # a prefix (or, when the copy failed, nothing): the rest is evaluated
-                    f.took(n if got else 0)
 
     def _finish(
         self,
@@ -394,9 +322,9 @@ class PipelineGroup:
             raise SlotBusyError(f"slot {s.id} is being copied to another slot; retry")
         t0 = time.perf_counter()
         if m.action == "erase":
-            res = {"id_slot": s.id, "n_erased": pc.drop(s)}
+            res = {"id_slot": s.id, "n_erased": self.runner.erase_slot(s)}
         elif m.action == "save":
-            n_bytes = self.ctx.seq_save(str(m.path), s.seq_id, s.cache_tokens)
+            n_bytes = self.runner.save_slot(s, m.path)
             res = {
                 "id_slot": s.id,
                 "filename": m.path.name,
@@ -406,19 +334,16 @@ class PipelineGroup:
         elif m.action == "restore":
             if not m.path.is_file():
                 raise FileNotFoundError(f"no saved slot file {m.path.name}")
-            pc.drop(s)
             try:
-                toks = self.ctx.seq_load(str(m.path), s.seq_id, self.n_ctx_slot)
+                n_restored = self.runner.load_slot(s, m.path)
             except BaseException:
                 # the slot's cache is gone: the scheduler must not choose it for its old prefix
-                pc.drop(s)
                 self.on_release(s.view(), False)
                 raise
-            pc.load(s, toks)
             res = {
                 "id_slot": s.id,
                 "filename": m.path.name,
-                "n_restored": len(toks),
+                "n_restored": n_restored,
                 "n_read": os.path.getsize(m.path),
             }
         else:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 
+from engine.errors import NativeError
+
 log = logging.getLogger(__name__)
 
 _LIB_DIR = pathlib.Path(llama_cpp.__file__).parent / "lib"
@@ -29,12 +31,6 @@ _init_lock = threading.Lock()
 _initialised = False
 
 
-class NativeError(RuntimeError):
-    """A llama.cpp call failed; ``rc`` is its return code where it has one."""
-
-    def __init__(self, message: str, rc: int = 0) -> None:
-        super().__init__(message)
-        self.rc = rc
 
 
 def _load(name: str) -> ctypes.CDLL:

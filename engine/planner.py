@@ -1,10 +1,16 @@
-"""The first part of a step: what a group computes next, as a typed plan. No native call.
+"""The first part of a step: what a group computes next, as a typed plan. No native write.
 
 A plan holds, in batch order, the tokens each slot contributes (``Entry``: a generating
 slot's last token and its draft, then prompt chunks up to the batch's capacity, in the order
-the slots became busy) and the rows sampled after the decode (``Row``: where a slot's logits
-are in the batch and in the logits read back). The runner fills the ``llama_batch`` from it;
-the output processor samples its rows.
+the slots became busy), the rows sampled after the decode (``Row``: where a slot's logits
+are in the batch and in the logits read back) and the KV copies the decode makes due
+(``Copy``: a waiting slot takes its leader's prefix once the leader's KV holds it; an n > 1
+follower then samples its first token from the leader's row). The runner fills the
+``llama_batch``, decodes and makes the copies; ``Plan.advance`` then moves every slot's prompt
+on by what was computed or copied, and the output processor samples the rows.
+
+How a request starts is planned here too (``plan_start``: what of the KV it reuses, or whose
+prefix it waits for); the runner carries it out (``Runner.begin``).
 """
 
 from __future__ import annotations
@@ -13,10 +19,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.batching import Entry, count_ubatches, order_entries
+from engine.prefix import Reuse
 from engine.slots import Slot, SlotState
 
 if TYPE_CHECKING:
     from engine.config import SpeculativeConfig
+    from engine.prefix import PrefixCache
+    from engine.types import Request
 
 
 @dataclass(slots=True)
@@ -32,12 +41,59 @@ class Row:
 
 
 @dataclass(slots=True)
+class Copy:
+    """After the decode, ``dst`` (waiting for ``src``) takes the first ``n`` tokens of ``src``'s
+    KV; ``row`` is the follower's row on its leader's logits, sampled only when the copy was
+    made (``done``, set by the runner)."""
+
+    src: Slot
+    dst: Slot
+    n: int
+    row: Row | None
+    done: bool = False
+
+
+@dataclass(slots=True)
 class Plan:
     entries: list[Entry]  # batch order
-    rows: list[Row]  # logits order
+    rows: list[Row]  # logits order, then the followers' rows on their leaders' logits
     n_tokens: int
     n_logits: int
     n_ubatches: int  # how llama.cpp will cut the batch (for the profiler)
+    copies: list[Copy]
+
+    def advance(self) -> None:
+        """The decode ran: each prompt is on by its chunk, each waiting slot has what its copy
+        gave (nothing when it failed: it evaluates its prompt itself, without a row now)."""
+        for e in self.entries:
+            if e.slot.state is SlotState.PROMPT:
+                e.slot.n_prompt_done += len(e.tokens)
+        for c in self.copies:
+            c.dst.got_prefix(c.n if c.done else 0)
+            if c.row is not None and not c.done:
+                self.rows.remove(c.row)
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """How a request starts on its slot: what it reuses of the KV (``reuse``), or, an n > 1
+    follower, the ``leader`` whose prompt it takes whole."""
+
+    slot: Slot
+    request: Request
+    reuse: Reuse
+    leader: Slot | None = None
+
+
+def plan_start(slot: Slot, r: Request, slots: list[Slot], prefix: PrefixCache, cache_prompt: bool,
+               leader: Slot | None = None) -> Start:
+    """The start of ``r`` on ``slot`` among the group's ``slots``; a follower reuses nothing
+    of its own (its leader's prompt comes as a copy)."""
+    assert slot.state is SlotState.IDLE, f"slot {slot.id} is busy"
+    if leader is not None:
+        return Start(slot, r, Reuse(), leader)
+    ok = cache_prompt and r.cache_prompt
+    return Start(slot, r, prefix.plan(slot, r.prompt_tokens, slots, own=ok, share=ok))
 
 
 def generating(active: list[Slot]) -> list[Slot]:
@@ -86,4 +142,27 @@ def plan_step(active: list[Slot], drafts: dict[int, list[int]], capacity: int, n
             rows.append(Row(e.slot, n_tokens + len(e.tokens) - 1 - len(e.draft), n_logits, e.draft, e.pos0))
             n_logits += 1 + len(e.draft)
         n_tokens += len(e.tokens)
-    return Plan(entries, rows, n_tokens, n_logits, count_ubatches(entries, n_ubatch, unified))
+    copies = _copies(entries, rows)
+    return Plan(entries, rows, n_tokens, n_logits, count_ubatches(entries, n_ubatch, unified), copies)
+
+
+def _copies(entries: list[Entry], rows: list[Row]) -> list[Copy]:
+    """The slots waiting for a leader of this step whose prefix the leader's KV holds after
+    it; an n > 1 follower gets a row on its leader's (appended to ``rows``)."""
+    copies: list[Copy] = []
+    by_slot: dict[int, Row] | None = None  # made only in a step that has a due copy
+    for e in entries:
+        s = e.slot
+        held = len(s.cache_tokens) + len(e.tokens)
+        for w in s.waiters:
+            if held < w.n_from_leader:
+                continue
+            row = None
+            if w.on_leader_row:
+                if by_slot is None:
+                    by_slot = {r.slot.id: r for r in rows}
+                if (lr := by_slot.get(s.id)) is not None:
+                    row = Row(w, lr.batch_idx, lr.logits_idx, [], lr.pos0)
+                    rows.append(row)
+            copies.append(Copy(s, w, w.n_from_leader, row))
+    return copies

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine.errors import NativeError
+
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.native import Context, Model
@@ -128,7 +130,7 @@ class PrefixCache:
 
     def due(self, waiter: Slot) -> bool:
         """Whether the prefix a waiting slot takes from its leader is in the leader's KV."""
-        return waiter.leader is not None and len(waiter.leader.cache_tokens) >= waiter.share
+        return waiter.leader is not None and len(waiter.leader.cache_tokens) >= waiter.n_from_leader
 
     # ---- writes -----------------------------------------------------------------------------
 
@@ -179,8 +181,6 @@ class PrefixCache:
     def cut(self, slot: Slot, n: int) -> None:
         """Drop everything from position ``n`` on (rejected draft tokens)."""
         if not self.ctx.seq_rm(slot.seq_id, n, -1):
-            from engine.native import NativeError
-
             raise NativeError(f"removing the tokens of sequence {slot.seq_id} after {n} failed", -1)
         del slot.cache_tokens[n:]
 

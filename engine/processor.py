@@ -1,6 +1,8 @@
-"""The third part of a step: from logits to ``Output``s. It samples every row of the plan
-(over a small thread pool when there are several), verifies drafts, then, per slot,
-detokenises, checks stop strings and limits, and says which requests end.
+"""The third part of a step: from logits to ``Output``s. It reports prompt progress where
+asked, samples every row of the plan (over a small thread pool when there are several),
+verifies drafts, then, per slot, detokenises, checks stop strings and limits, and returns
+what the step gives (``Processed``): the outputs to send, the requests that end, the slots
+that began generating.
 
 It makes no decision about the KV but one: a rejected draft's tokens leave the slot's
 sequence (through the prefix cache). Ending a request is the group's (``finish``), which
@@ -34,6 +36,17 @@ class Ending:
     reason: FinishReason
     text: str
     figures: dict
+
+
+@dataclass
+class Processed:
+    """What one step gave: ``outputs`` to send (prompt progress, new text), the requests that
+    end (``endings``: their slot and why) and the slots that began generating (``began``)."""
+
+    outputs: list[Output]
+    endings: list[tuple[Slot, Ending]]
+    began: list[Slot]
+    n_sampled: int
 
 
 def final_output(s: Slot, reason: FinishReason, text: str, *, error: str | None = None, status: int = 0,
@@ -85,6 +98,29 @@ class OutputProcessor:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True)
+
+    def process(self, plan: Plan, logits: np.ndarray | None) -> Processed:
+        """The step's outputs, after ``plan.advance``: progress, then every row sampled,
+        verified and turned into text (timed as sample, then detok and stop)."""
+        with self.prof.timed("sample"):
+            outs = [progress_output(e.slot) for e in plan.entries
+                    if e.slot.state is SlotState.PROMPT and e.slot.req.params.return_progress]
+            tokens = self.sample(plan, logits)
+            self.verify(plan, tokens)
+        endings: list[tuple[Slot, Ending]] = []
+        began: list[Slot] = []
+        for r, toks in zip(plan.rows, tokens, strict=True):
+            s = r.slot
+            was_prompt = s.state is SlotState.PROMPT
+            got = self.emit(s, toks)
+            if isinstance(got, Ending):
+                endings.append((s, got))
+                continue
+            if got is not None:
+                outs.append(got)
+            if was_prompt and s.state is SlotState.GENERATING:
+                began.append(s)
+        return Processed(outs, endings, began, sum(len(t) for t in tokens))
 
     # ---- sampling ---------------------------------------------------------------------------
 

@@ -1,5 +1,7 @@
 """The second part of a step: the native side of one group. It owns the group's context, its
-batch, its drafter and its prefix cache, and turns a plan into logits.
+batch, its drafter and its prefix cache; it turns a plan into logits (and the KV copies the
+plan made due), starts a request as planned (its reuse and its sampler chain), and saves and
+loads a slot's KV to and from a file.
 
 Native handles are closed by construction: whatever fails while the runner is built, what was
 created before it is freed (the drafter's context, then the group's), and ``close`` frees
@@ -11,13 +13,15 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import ExitStack
+from pathlib import Path
 
 import numpy as np
 
 from engine.config import EngineConfig
 from engine.native import Batch, Context, Model, NativeError
-from engine.planner import Plan
+from engine.planner import Plan, Start
 from engine.prefix import PrefixCache, sharing_on
+from engine.sampling import SamplerChain
 from engine.slots import Slot
 from engine.speculative import ModelDrafter, NgramDrafter
 
@@ -29,6 +33,8 @@ class Runner:
                  draft_model: Model | None = None) -> None:
         self.index = index
         self.n_vocab = model.n_vocab
+        self.vocab = model.vocab
+        self.seed = config.seed
         self.backend_sampling = config.backend_sampling
         n_batch = max(config.n_batch, n_seq)
         with ExitStack() as built:
@@ -92,8 +98,9 @@ class Runner:
             b.add(e.tokens, e.pos0, e.seq_id, (1 + len(e.draft)) if e.out else 0)
 
     def decode(self, plan: Plan) -> None:
-        """Decode the filled batch; the prefix cache then holds the plan's tokens. Raises
-        ``NativeError`` (``rc < 0``: a compute failure, the context cannot be trusted)."""
+        """Decode the filled batch; the prefix cache then holds the plan's tokens, and the
+        waiting slots the plan made due have their copies. Raises ``NativeError`` (``rc < 0``:
+        a compute failure, the context cannot be trusted)."""
         self.decode_since = time.monotonic()
         try:
             self.ctx.decode(self.batch)
@@ -102,6 +109,58 @@ class Runner:
             self.prefix.applied()
         for e in plan.entries:
             self.prefix.extend(e.slot, e.tokens)
+        for c in plan.copies:
+            c.done = self.prefix.copy(c.src, c.dst, c.n)
+
+    # ---- a request starts ---------------------------------------------------------------------
+
+    def begin(self, st: Start, banned: tuple[int, ...]) -> None:
+        """Start ``st.request`` on its slot as planned: the KV it reuses (a copy of a ready
+        prefix, or what it keeps of its own), its sampler chain (``banned``: tokens it may not
+        sample) fed the prompt, and, with backend sampling, the chain in the graph."""
+        s, r, reuse = st.slot, st.request, st.reuse
+        if reuse.source is not None and reuse.ready:
+            n_reused = reuse.shared if self.prefix.copy(reuse.source, s, reuse.shared) else 0
+        else:
+            n_reused = self.prefix.keep(s, reuse.own)
+        sampler = SamplerChain(r.params, self.n_vocab, self.seed, force_chain=self.backend_sampling,
+                               banned=banned, vocab=self.vocab, grammar=r.grammar)
+        try:
+            sampler.accept_prompt(r.prompt_tokens)
+        except BaseException:
+            sampler.close()
+            raise
+        if st.leader is not None:  # an n > 1 follower: the whole prompt, then the leader's row
+            s.start(r, sampler, 0, leader=st.leader, n_from_leader=len(r.prompt_tokens), on_leader_row=True)
+        elif reuse.source is not None and not reuse.ready:  # a prefix on its way in another slot
+            s.start(r, sampler, n_reused, leader=reuse.source, n_from_leader=reuse.shared)
+        else:
+            s.start(r, sampler, n_reused)
+        # a family samples on the host: its followers' first token comes from the leader's row
+        if self.backend_sampling and sampler.offloadable and not r.followers and st.leader is None:
+            self.attach(s)
+
+    # ---- a slot's KV in a file ------------------------------------------------------------------
+
+    def save_slot(self, s: Slot, path: Path) -> int:
+        """Write the slot's KV and tokens to ``path``; returns the bytes written."""
+        return self.ctx.seq_save(str(path), s.seq_id, s.cache_tokens)
+
+    def load_slot(self, s: Slot, path: Path) -> int:
+        """Replace the slot's KV by the one saved in ``path``; returns how many tokens it holds.
+        On failure the slot holds nothing."""
+        self.prefix.drop(s)
+        try:
+            tokens = self.ctx.seq_load(str(path), s.seq_id, self.n_ctx_slot)
+        except BaseException:
+            self.prefix.drop(s)
+            raise
+        self.prefix.load(s, tokens)
+        return len(tokens)
+
+    def erase_slot(self, s: Slot) -> int:
+        """Forget the slot's KV; returns how many tokens it held."""
+        return self.prefix.drop(s)
 
     def logits(self, plan: Plan) -> np.ndarray | None:
         """The plan's logits rows, read once (the step's only synchronise); None when its rows

@@ -87,12 +87,14 @@ class Slot:
     t_first_token: float = 0.0
     saw_newline: bool = False  # the output has a newline (t_max_predict_ms ends it only after one)
     last_used: float = field(default_factory=time.monotonic)
-    # slots that wait for this slot's prompt to reach ``share`` tokens and take a copy of its
-    # KV (n > 1 followers, and requests that share its prefix); the leader such a slot waits for
-    forks: list[Slot] = field(default_factory=list)
-    leader: Slot | None = None
-    share: int = 0  # a waiting slot: how many of its leader's tokens it takes
-    joins: bool = False  # an n > 1 follower: it samples its first token from its leader's row
+    # slots that wait for this slot's prompt to reach their ``n_from_leader`` tokens and take
+    # a copy of its KV (n > 1 followers, and requests that share its prefix)
+    waiters: list[Slot] = field(default_factory=list)
+    leader: Slot | None = None  # the slot this one waits for
+    n_from_leader: int = 0  # a waiting slot: how many of its leader's tokens it takes
+    # an n > 1 follower: its whole prompt comes from the leader, and its first token is sampled
+    # from the leader's row of the step that finishes that prompt
+    on_leader_row: bool = False
     spec: SpecState = field(default_factory=SpecState)  # speculative decoding's back-off
 
     @property
@@ -100,9 +102,9 @@ class Slot:
         return self.leader is not None
 
     def start(self, r: Request, sampler: SamplerChain, n_reused: int, *, leader: Slot | None = None,
-              share: int = 0, joins: bool = False) -> None:
+              n_from_leader: int = 0, on_leader_row: bool = False) -> None:
         """Run ``r`` here: its KV holds ``n_reused`` prompt tokens (or, with a leader, will hold
-        the first ``share`` of the leader's once they are computed)."""
+        the first ``n_from_leader`` of the leader's once they are computed)."""
         assert self.state is SlotState.IDLE, f"slot {self.id} is busy"
         self.req = r
         self.sampler = sampler
@@ -115,20 +117,20 @@ class Slot:
         self.saw_newline = False
         self.spec.reset()
         self.state = SlotState.PROMPT
-        self.leader, self.share, self.joins = leader, share, joins
+        self.leader, self.n_from_leader, self.on_leader_row = leader, n_from_leader, on_leader_row
         if leader is not None:
-            leader.forks.append(self)
+            leader.waiters.append(self)
 
-    def took(self, n: int) -> None:
+    def got_prefix(self, n: int) -> None:
         """A waiting slot got its leader's first ``n`` tokens (0: it evaluates them itself).
         An n > 1 follower's prompt counts as evaluated, not as reused from a cache."""
         if self.leader is not None:
-            self.leader.forks.remove(self)
-        self.leader, self.share = None, 0
+            self.leader.waiters.remove(self)
+        self.leader, self.n_from_leader = None, 0
         self.n_prompt_done = n
-        if not self.joins:
+        if not self.on_leader_row:
             self.n_reused = n
-        self.joins = False
+        self.on_leader_row = False
 
     def finish(self) -> None:
         """Back to idle: the request, its sampler and its links go; the KV stays."""
@@ -136,13 +138,13 @@ class Slot:
             self.sampler.close()
             self.sampler = None
         # slots waiting for this one evaluate their prompt themselves; this one leaves its leader
-        for f in self.forks:
-            f.leader, f.share = None, 0
-        self.forks = []
+        for w in self.waiters:
+            w.leader, w.n_from_leader = None, 0
+        self.waiters = []
         if self.leader is not None:
-            self.leader.forks.remove(self)
-            self.leader, self.share = None, 0
-        self.joins = False
+            self.leader.waiters.remove(self)
+            self.leader, self.n_from_leader = None, 0
+        self.on_leader_row = False
         self.text = None
         self.req = None
         self.state = SlotState.IDLE

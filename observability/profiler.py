@@ -91,6 +91,15 @@ class GroupProfiler:
         finally:
             self.add(phase, time.perf_counter() - t0)
 
+    @contextmanager
+    def cpu(self, phase: str) -> Iterator[None]:
+        """Count the calling thread's CPU time in the block as ``phase``."""
+        c0 = time.thread_time()
+        try:
+            yield
+        finally:
+            self.add(phase, time.thread_time() - c0)
+
     def add(self, phase: str, seconds: float) -> None:
         self._acc[phase] += seconds
 

@@ -69,3 +69,20 @@ def test_sorted_rows_take_one_ubatch_per_run():
     entries = [Entry(None, s, 0, [1], True) for s in (5, 1, 4, 0, 3, 2)]
     assert count_ubatches(entries, 512, unified=False) > 1
     assert count_ubatches(order_entries(entries), 512, unified=False) == 1
+
+
+def _entries(spec: list[tuple[int, int]]) -> list:
+    return [Entry(None, seq, 0, [0] * n, True) for seq, n in spec]
+
+
+def test_count_ubatches_follows_llama_cpp_split_rules():
+    decode = _entries([(3, 1), (0, 1), (2, 1), (1, 1)])  # the order slots became busy
+    assert count_ubatches(decode, 512, unified=False) == 3  # [3], [0] ... cut at every descent
+    assert count_ubatches(order_entries(decode), 512, unified=False) == 1
+    gap = order_entries(_entries([(0, 1), (1, 1), (3, 1), (4, 1)]))
+    assert count_ubatches(gap, 512, unified=False) == 2  # a free sequence id splits the run
+    assert count_ubatches(gap, 512, unified=True) == 1
+    # a prompt chunk beside decode rows: one token rides with them, the rest is its own ubatch
+    mixed = order_entries(_entries([(0, 1), (1, 40), (2, 1)]))
+    assert count_ubatches(mixed, 512, unified=False) == 2
+    assert count_ubatches(_entries([(0, 600)]), 512, unified=True) == 2

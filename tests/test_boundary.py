@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -293,3 +295,13 @@ def test_one_address_cannot_hold_every_place():
 def test_same_origin_compares_scheme_default_ports():
     assert same_origin("http://localhost", "localhost:80") and same_origin("http://h:8000", "H:8000")
     assert not same_origin("http://h:8001", "h:8000") and not same_origin("null", "h:8000")
+
+
+def test_the_http_layer_never_loads_llama_cpp():
+    """The ingress and the app builder read requests and configs without native code (their
+    processes never map llama.cpp)."""
+    code = ("import sys, deployments.ingress, deployments.app, engine.config, engine\n"
+            "engine.SamplingParams, engine.RequestError, engine.Output\n"
+            "assert 'llama_cpp' not in sys.modules, sorted(m for m in sys.modules if m.startswith('engine'))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

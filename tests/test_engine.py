@@ -226,7 +226,7 @@ def test_compute_failure_stops_the_group_and_fails_requests(make_engine):
 
 
 def test_a_request_that_fails_to_start_reports_its_own_figures(make_engine, monkeypatch):
-    import engine.group as group_mod
+    import engine.runner as runner_mod
 
     e = make_engine(n_parallel=1)
     first = e.generate("hello world", GREEDY)  # the slot now holds this request's figures
@@ -236,7 +236,7 @@ def test_a_request_that_fails_to_start_reports_its_own_figures(make_engine, monk
         def __init__(self, *a, **kw):
             raise RuntimeError("no sampler today")
 
-    monkeypatch.setattr(group_mod, "SamplerChain", Broken)
+    monkeypatch.setattr(runner_mod, "SamplerChain", Broken)
     failed = e.generate("hello again", GREEDY)
     assert failed.final.finish_reason == "error" and "no sampler today" in failed.final.error
     assert failed.final.completion_tokens == 0 and failed.final.cached_tokens == 0

@@ -3,12 +3,14 @@ llama-server's names and values (no engine, no Ray)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from deployments.api.base import read_request
 from deployments.api.generation import timings
 from deployments.api.llama import LlamaCompletionRequest, completion_probabilities
-from deployments.api.openai import ChatCompletionRequest, CompletionRequest
+from deployments.api.openai import ChatCompletionRequest, CompletionRequest, SseEvents
 from deployments.api.responses import ResponsesRequest
 from engine.types import FinishReason, Output
 
@@ -169,3 +171,19 @@ def test_a_responses_answer_with_tool_calls_in_openais_own_types(streamed):
     assert [c.name for c in calls] == ["w", "w"] and [c.arguments for c in calls] == ['{"c": 1}', "{}"]
     assert r.output[0].type == "message" and r.output[0].content[0].text.strip() == "Let me see."
     assert r.status == "completed" and r.tools[0].name == "w"
+
+
+def test_sse_events_encode_as_openai_chunks():
+    for kind in ("completion", "chat"):
+        ev = SseEvents("id-1", kind, "m", include_usage=True)
+        raw = ev.chunk('a "quoted" é\n', None)
+        assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
+        d = json.loads(raw[6:])
+        assert d["id"] == "id-1" and d["model"] == "m" and d["usage"] is None
+        c = d["choices"][0]
+        assert c["finish_reason"] is None and c["index"] == 0
+        text = c["delta"]["content"] if kind == "chat" else c["text"]
+        assert text == 'a "quoted" é\n'
+        assert d["object"] == ("chat.completion.chunk" if kind == "chat" else "text_completion")
+        last = json.loads(ev.chunk("x", "stop")[6:])
+        assert last["choices"][0]["finish_reason"] == "stop"

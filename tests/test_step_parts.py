@@ -7,15 +7,13 @@ order) is what is asserted.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from engine.config import SpeculativeConfig
 from engine.params import SamplingParams
-from engine.planner import draft_requests, plan_step
-from engine.prefix import PrefixCache, group_prefixes, keep_prefix
-from engine.scheduler import choose_slot
-from engine.slots import Slot, SlotState, SlotView
+from engine.planner import draft_requests, plan_start, plan_step
+from engine.prefix import PrefixCache, Reuse, keep_prefix
+from engine.slots import Slot, SlotState
 from engine.types import Request
 
 PARAMS = SamplingParams(temperature=0, max_tokens=64)
@@ -48,10 +46,59 @@ def test_the_plan_puts_decode_rows_first_then_prompt_chunks_in_arrival_order_lai
 def test_a_last_prompt_chunk_gets_a_row_and_a_waiting_slot_gets_nothing():
     a = busy(0, 0, [1, 2, 3, 4], done=2)
     w = busy(1, 1, [1, 2, 3, 5])
-    w.leader, w.share = a, 3
+    w.leader, w.n_from_leader = a, 3
     plan = plan_step([a, w], {}, capacity=16, n_ubatch=512, unified=False)
     assert [(e.slot.id, e.tokens, e.out) for e in plan.entries] == [(0, [3, 4], True)]
     assert [(r.slot.id, r.batch_idx, r.logits_idx) for r in plan.rows] == [(0, 1, 0)]
+
+
+def test_a_waiting_slot_is_copied_in_the_step_that_completes_its_leaders_prefix():
+    a = busy(0, 0, list(range(10)), done=4, cached=[0, 1, 2, 3])
+    w = busy(1, 1, list(range(8)) + [99])
+    w.leader, w.n_from_leader = a, 8
+    a.waiters.append(w)
+    # capacity 3: a reaches 7 tokens, short of the 8 the waiter takes -> no copy yet
+    early = plan_step([a, w], {}, capacity=3, n_ubatch=512, unified=False)
+    assert early.copies == []
+    plan = plan_step([a, w], {}, capacity=16, n_ubatch=512, unified=False)
+    ((c,),) = [plan.copies]
+    assert (c.src, c.dst, c.n, c.row) == (a, w, 8, None)
+    c.done = True  # the runner made it
+    plan.advance()
+    assert a.n_prompt_done == 10 and w.leader is None and a.waiters == []
+    assert (w.n_prompt_done, w.n_reused) == (8, 8)
+
+
+def test_an_n_gt_1_follower_samples_on_its_leaders_row_unless_its_copy_failed():
+    for made in (True, False):
+        a = busy(0, 0, [1, 2, 3, 4], done=2, cached=[1, 2])
+        f = busy(1, 1, [1, 2, 3, 4])
+        f.leader, f.n_from_leader, f.on_leader_row = a, 4, True
+        a.waiters.append(f)
+        plan = plan_step([a, f], {}, capacity=16, n_ubatch=512, unified=False)
+        lead, follow = plan.rows
+        assert follow.slot is f and (follow.batch_idx, follow.logits_idx) == (lead.batch_idx, lead.logits_idx)
+        assert plan.n_logits == 1  # the follower reads the leader's logits, nothing more
+        plan.copies[0].done = made
+        plan.advance()
+        # made: the whole prompt is the follower's, counted as evaluated, not reused
+        assert [r.slot for r in plan.rows] == ([a, f] if made else [a])
+        assert (f.n_prompt_done, f.n_reused, f.on_leader_row) == ((4, 0, False) if made else (0, 0, False))
+
+
+def test_a_start_reuses_a_prefix_and_a_follower_reuses_nothing_of_its_own():
+    pc = cache()
+    mine = Slot(id=0, group=0, seq_id=0, cache_tokens=SYSTEM[:10])
+    other = Slot(id=1, group=0, seq_id=1, cache_tokens=SYSTEM + [7])
+    r = Request("x", SYSTEM + [9], PARAMS, 64, slot_id=0)
+    st = plan_start(mine, r, [mine, other], pc, cache_prompt=True)
+    assert (st.reuse.source, st.reuse.shared, st.leader) == (other, 100, None)
+    # prompt caching off: nothing of the KV is reused
+    assert plan_start(mine, r, [mine, other], pc, cache_prompt=False).reuse == Reuse()
+    assert plan_start(mine, r, [mine, other], pc, True, leader=other).reuse == Reuse()
+    mine.state = SlotState.GENERATING
+    with pytest.raises(AssertionError, match="busy"):
+        plan_start(mine, r, [mine, other], pc, cache_prompt=True)
 
 
 def test_drafts_take_rows_after_their_slot_and_count_in_the_logits():
@@ -131,7 +178,7 @@ def test_a_prompt_on_its_way_in_another_slot_is_waited_for():
     computing = busy(1, 1, SYSTEM + [5], done=20)
     r = pc.plan(mine, SYSTEM + [6], [mine, computing], own=True, share=True)
     assert (r.source, r.shared, r.ready) == (computing, 100, False)
-    mine.start(Request("w", SYSTEM + [6], PARAMS, 64), sampler=None, n_reused=0, leader=computing, share=r.shared)
+    mine.start(Request("w", SYSTEM + [6], PARAMS, 64), sampler=None, n_reused=0, leader=computing, n_from_leader=r.shared)
     assert mine.waiting and not pc.due(mine)
     computing.cache_tokens.extend(SYSTEM[20:])  # the decode got there
     assert pc.due(mine)
@@ -186,35 +233,12 @@ def test_finish_resets_a_slot_and_unlinks_who_waited_for_it():
     leader = Slot(id=0, group=0, seq_id=0)
     leader.start(Request("a", SYSTEM + [1], PARAMS, 64), sampler=None, n_reused=0)
     w = Slot(id=1, group=0, seq_id=1)
-    w.start(Request("b", SYSTEM + [2], PARAMS, 64), sampler=None, n_reused=4, leader=leader, share=100)
-    assert leader.forks == [w] and w.state is SlotState.PROMPT
+    w.start(Request("b", SYSTEM + [2], PARAMS, 64), sampler=None, n_reused=4, leader=leader, n_from_leader=100)
+    assert leader.waiters == [w] and w.state is SlotState.PROMPT
     leader.finish()
-    assert leader.state is SlotState.IDLE and leader.req is None and leader.forks == []
+    assert leader.state is SlotState.IDLE and leader.req is None and leader.waiters == []
     # the waiter evaluates its prompt itself, from what it kept of its own
-    assert w.leader is None and w.share == 0 and w.n_prompt_done == 4
-    w.took(0)
+    assert w.leader is None and w.n_from_leader == 0 and w.n_prompt_done == 4
+    w.got_prefix(0)
     with pytest.raises(AssertionError, match="busy"):
         w.start(Request("c", [1], PARAMS, 64), sampler=None, n_reused=0)
-
-
-# ---- the scheduler's side ---------------------------------------------------------------------
-
-
-def view(i: int, group: int, seq: int, tokens: list[int]) -> SlotView:
-    return SlotView(i, group, seq, "idle", len(tokens), None, np.asarray(tokens, dtype=np.int32))
-
-
-def test_a_prefix_held_in_a_group_is_weighed_against_balance():
-    prompt = np.asarray(SYSTEM + [5], np.int32)
-    idle = [view(0, 0, 1, []), view(1, 1, 0, []), view(2, 1, 1, [])]
-    held = group_prefixes([(0, np.asarray(SYSTEM + [3], np.int32)), (1, np.asarray([1, 2], np.int32))], prompt)
-    assert held == {0: 100}
-    # group 0 holds the prefix (one slot busy computing it): it takes the request
-    assert choose_slot(idle, prompt, {}, 0.1, {0: {0}}, held, 32).group == 0
-    # busier by two: balance wins, and group 1 computes the prefix once for itself
-    assert choose_slot(idle, prompt, {}, 0.1, {0: {0, 2}}, held, 32).group == 1
-    # below min_shared a held prefix is not weighed
-    assert choose_slot(idle, prompt, {}, 0.1, {0: {0}}, held, 200).group == 1
-    # a slot's own cached prefix still wins over balance, as before
-    own = [view(0, 0, 1, SYSTEM + [3]), view(1, 1, 0, [])]
-    assert choose_slot(own, prompt, {}, 0.1, {0: {0, 2, 3}}, held, 32).id == 0
