@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from deployments.stage.actor import port_listening
+from deployments.stage.server import port_listening
 
 
 def bin_dir() -> Path:

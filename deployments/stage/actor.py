@@ -18,31 +18,13 @@ from typing import Any
 import ray
 
 from deployments.stage import server as rpc_server
+from deployments.stage.server import port_listening
 from observability.process import cpu_seconds, rss_bytes
 
 log = logging.getLogger(__name__)
 
 STAGE_NAME = "pgroups-rpc-stage"
 NAMESPACE = "pipeline-groups"
-
-
-def port_listening(port: int) -> bool:
-    """Whether a socket of this machine listens on ``port``, read from /proc without connecting.
-
-    The ggml RPC server serves one client at a time; probe connections would queue behind
-    the engine's and fill its accept backlog, so readiness is read from the kernel instead.
-    """
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f)
-                for line in f:
-                    parts = line.split()
-                    if parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
-                        return True
-        except (OSError, StopIteration):
-            continue
-    return False
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)

@@ -16,6 +16,25 @@ import time
 from collections.abc import Callable
 
 
+def port_listening(port: int) -> bool:
+    """Whether a socket of this machine listens on ``port``, read from /proc without connecting.
+
+    The ggml RPC server serves one client at a time; probe connections would queue behind
+    the engine's and fill its accept backlog, so readiness is read from the kernel instead.
+    """
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    if parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
+                        return True
+        except (OSError, StopIteration):
+            continue
+    return False
+
+
 def command(host: str, port: int, threads: int = 0, devices: list[str] | None = None,
             cache_dir: str | None = None, cpus: list[int] | None = None) -> list[str]:
     """The command line of a server process (the stage actor, the bench and the tests use it)."""
@@ -52,7 +71,6 @@ def launch(host: str, port: int, threads: int = 1, timeout_s: float = 60.0,
            preexec_fn: Callable[[], None] | None = None, **kw: object) -> subprocess.Popen:
     """Start a server process and return once it listens (read from the kernel, not by connecting:
     the server serves one client at a time, and a probe would queue behind the engine)."""
-    from deployments.stage.actor import port_listening
 
     proc = subprocess.Popen(command(host, port, threads, **kw), stdout=subprocess.DEVNULL,  # type: ignore[arg-type]
                             preexec_fn=preexec_fn)
