@@ -13,17 +13,18 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    type: Literal["ngram", "draft"] = Field(
+    type: Literal["ngram", "draft", "mtp"] = Field(
         description="ngram: draft from the request's own prompt and output (no model); draft: a small "
-        "draft model with the target's vocabulary [--spec-type / --model-draft]."
+        "draft model with the target's vocabulary [--spec-type / --model-draft]; mtp: the model's own "
+        "multi-token-prediction layers, one MTP context per group [--spec-type draft-mtp]."
     )
     model: str | None = Field(default=None, description="GGUF of the draft model (type draft) [-md].")
     n_max: int = Field(default=8, ge=1, le=64, description="Most tokens drafted per row and step [--draft-max].")
     n_min: int = Field(default=1, ge=1, le=64, description="Shorter drafts are not verified [--draft-min].")
     p_min: float = Field(
         default=0.75, ge=0.0, le=1.0,
-        description="type draft: a row stops drafting when the draft model's probability of its pick is "
-        "below this [--draft-p-min].",
+        description="type draft and mtp: a row stops drafting when the drafter's probability of its pick "
+        "is below this [--draft-p-min].",
     )
     ngram_min: int = Field(default=2, ge=1, le=16, description="type ngram: the shortest suffix looked up.")
     ngram_max: int = Field(default=4, ge=1, le=16, description="type ngram: the longest suffix looked up.")
@@ -39,8 +40,8 @@ class SpeculativeConfig(BaseModel):
     def _check(self) -> SpeculativeConfig:
         if self.type == "draft" and not self.model:
             raise ValueError("speculative type 'draft' needs model: the draft GGUF")
-        if self.type == "ngram" and self.model:
-            raise ValueError("speculative type 'ngram' takes no model (did you mean type: draft?)")
+        if self.type in ("ngram", "mtp") and self.model:
+            raise ValueError(f"speculative type '{self.type}' takes no model (did you mean type: draft?)")
         if self.n_min > self.n_max:
             raise ValueError(f"speculative n_min ({self.n_min}) exceeds n_max ({self.n_max})")
         if self.ngram_min > self.ngram_max:

@@ -27,6 +27,7 @@ from engine.config import EngineConfig
 from engine.embeddings import Embedder
 from engine.grammar import GrammarCompiler
 from engine.group import CancelMsg, PipelineGroup, SlotBusyError, SlotOpMsg, StartMsg
+from engine.mtp import require_mtp
 from engine.native import Model, add_rpc_server, local_device_name
 from engine.prefix import sharing_on
 from engine.sampling import SamplingParams
@@ -84,6 +85,7 @@ class Engine:
         self.devices = default_devices(config, rpc_devices)
         # native handles are freed by construction: whatever fails below, what was created
         # before it goes, in reverse order (contexts before the models they were made from)
+        mtp = config.speculative is not None and config.speculative.type == "mtp"
         with ExitStack() as built:
             self.model = Model(
                 config.model,
@@ -91,8 +93,11 @@ class Engine:
                 n_gpu_layers=config.n_gpu_layers,
                 tensor_split=layer_split(config, self.devices),
                 repack=config.repack,
+                load_mtp=mtp,
             )
             built.callback(self.model.close)
+            if mtp:
+                require_mtp(self.model)
             self.draft_model = None
             if config.speculative is not None and config.speculative.type == "draft":
                 self.draft_model = load_draft_model(config.speculative, self.model)

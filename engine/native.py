@@ -247,14 +247,17 @@ class Model:
         devices: list[str] | None = None,
         n_gpu_layers: int = -1,
         tensor_split: list[float] | None = None,
-        use_mmap: bool = True,
         repack: bool = True,
+        load_mtp: bool = False,
     ) -> None:
+        """``load_mtp``: load the model's multi-token-prediction layers too (they are skipped
+        otherwise, and an MTP context of a model loaded without them aborts the process)."""
         init_backend()
         self.path = path
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = 999 if n_gpu_layers < 0 else n_gpu_layers
-        params.use_mmap = use_mmap
+        params.load_mtp = load_mtp
+        self.load_mtp = load_mtp
         # the CPU backend's repacked weight layouts (faster kernels, other rounding); an RPC
         # stage never uses them
         params.use_extra_bufts = repack
@@ -276,7 +279,9 @@ class Model:
         self.vocab = llama_cpp.llama_model_get_vocab(self.ptr)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.ptr)
-        self.n_layer = llama_cpp.llama_model_n_layer(self.ptr)
+        self.n_layer = llama_cpp.llama_model_n_layer(self.ptr)  # without the MTP layers
+        self.n_layer_nextn = int(llama_cpp.llama_model_n_layer_nextn(self.ptr))
+        self.n_embd_out = int(llama_cpp.llama_model_n_embd_out(self.ptr))
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.n_swa = int(llama_cpp.llama_model_n_swa(self.ptr))  # 0 without sliding-window layers
         # a recurrent state (whole or in part) cannot be cut at a position or copied in part
@@ -332,11 +337,17 @@ class Context:
         cb_eval: object | None = None,
         embeddings: bool = False,
         pooling: int | None = None,
+        mtp: bool = False,
     ) -> None:
         """``embeddings``: a context that pools each sequence's outputs into one vector
-        (``pooling``: a ``LLAMA_POOLING_TYPE_*``; None: the GGUF's)."""
+        (``pooling``: a ``LLAMA_POOLING_TYPE_*``; None: the GGUF's). ``mtp``: the context of
+        the model's multi-token-prediction layers (their own KV), for drafting."""
         self.model = model
         p = llama_cpp.llama_context_default_params()
+        if mtp:
+            if not (model.load_mtp and model.n_layer_nextn > 0):
+                raise NativeError("an MTP context needs a model loaded with its MTP layers (load_mtp)")
+            p.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
         if embeddings:
             p.embeddings = True
             p.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED if pooling is None else pooling
@@ -443,20 +454,54 @@ class Context:
     def synchronize(self) -> None:
         llama_cpp.llama_synchronize(self.ptr)
 
+    # ---- the hidden states an MTP head reads -----------------------------------------------
+
+    def set_embeddings_nextn(self, masked: bool) -> None:
+        """Output the hidden state that feeds the MTP layers after each decode: one row per
+        batch token (``masked`` False) or per output row."""
+        mtp_hooks().llama_set_embeddings_nextn(self.ptr, True, masked)
+
+    def embeddings_nextn(self, n_rows: int, n_embd: int) -> np.ndarray:
+        """The first ``n_rows`` hidden-state rows of the last decode (a view; synchronises)."""
+        ptr = mtp_hooks().llama_get_embeddings_nextn(self.ptr)
+        if not ptr:
+            raise NativeError("no hidden states after this decode")
+        return np.ctypeslib.as_array(ptr, shape=(n_rows, n_embd))
+
+    def embeddings_nextn_ith(self, i: int, n_embd: int) -> np.ndarray:
+        """The hidden state of output row ``i`` of the last decode (a view)."""
+        ptr = mtp_hooks().llama_get_embeddings_nextn_ith(self.ptr, i)
+        if not ptr:
+            raise NativeError(f"no hidden state for batch index {i}")
+        return np.ctypeslib.as_array(ptr, shape=(n_embd,))
+
     def close(self) -> None:
         if getattr(self, "ptr", None):
             llama_cpp.llama_free(self.ptr)
             self.ptr = None
 
 
+def mtp_hooks():  # noqa: ANN201 - the module of llama.cpp's staging hooks
+    """llama.cpp's multi-token-prediction hooks (``src/llama-ext.h``, C++ linkage), bound by
+    llama-cpp-python under each ABI's symbol name; a clear error where a build lacks them."""
+    try:
+        from llama_cpp import llama_cpp_ext
+    except (ImportError, AttributeError) as e:
+        raise NativeError(f"this llama-cpp-python build has no MTP hooks (llama-ext.h): {e}") from e
+    return llama_cpp_ext
+
+
 class Batch:
     """A ``llama_batch`` whose arrays are numpy buffers, so a step fills it with slices.
 
     Each token belongs to exactly one sequence; ``seq_id[i]`` points into one int32 array.
+    With ``n_embd``, every row carries a vector beside its token too (an MTP context's input:
+    the token and the hidden state that came before it).
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, n_embd: int = 0) -> None:
         self.capacity = capacity
+        self.embd = np.zeros((capacity, n_embd), np.float32) if n_embd else None
         self.token = np.zeros(capacity, np.int32)
         self.pos = np.zeros(capacity, np.int32)
         self.n_seq_id = np.ones(capacity, np.int32)
@@ -468,7 +513,7 @@ class Batch:
         self.struct = llama_cpp.llama_batch(
             n_tokens=0,
             token=self.token.ctypes.data_as(i32p),
-            embd=None,
+            embd=self.embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if n_embd else None,
             pos=self.pos.ctypes.data_as(i32p),
             n_seq_id=self.n_seq_id.ctypes.data_as(i32p),
             seq_id=ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32p)),
@@ -480,13 +525,17 @@ class Batch:
         self.n_tokens = 0
         self.struct.n_tokens = 0
 
-    def add(self, tokens: list[int], pos0: int, seq_id: int, n_logits: int | bool) -> int:
+    def add(self, tokens: list[int], pos0: int, seq_id: int, n_logits: int | bool,
+            embd: np.ndarray | None = None) -> int:
         """Append tokens of one sequence, the last ``n_logits`` of them with logits (a bool:
-        the last one or none); returns the row of the first token."""
+        the last one or none), and with ``embd`` their vectors; returns the row of the first
+        token."""
         n = len(tokens)
         i = self.n_tokens
         if i + n > self.capacity:
             raise ValueError("batch overflow")
+        if embd is not None:
+            self.embd[i : i + n] = embd
         self.token[i : i + n] = tokens
         self.pos[i : i + n] = np.arange(pos0, pos0 + n, dtype=np.int32)
         self.seq[i : i + n] = seq_id

@@ -194,7 +194,7 @@ class OutputProcessor:
     def verify(self, plan: Plan, tokens: list[list[int]]) -> None:
         """After the drafted rows' verification: the KV of the draft tokens that were not
         accepted leaves their sequences; the profiler counts drafted and accepted."""
-        drafted = accepted = 0
+        drafts = drafted = accepted = 0
         for r, toks in zip(plan.rows, tokens, strict=True):
             if not r.draft:
                 continue
@@ -205,11 +205,13 @@ class OutputProcessor:
                 n += 1
             if n < len(draft):
                 self.prefix.cut(s, r.pos0 + 1 + n)  # the row's last token and the accepted drafts
+            self.runner.accepted(s, n)
             s.spec.record(len(draft), n)
+            drafts += 1
             drafted += len(draft)
             accepted += n
         if drafted:
-            self.prof.add_spec(drafted, accepted)
+            self.prof.add_spec(drafts, drafted, accepted)
 
     # ---- post-processing --------------------------------------------------------------------
 

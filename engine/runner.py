@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import EngineConfig
+from engine.mtp import MtpDrafter
 from engine.native import Batch, Context, Model, NativeError
 from engine.planner import Plan, Start
 from engine.prefix import PrefixCache, sharing_on
@@ -50,21 +51,31 @@ class Runner:
                 flash_attn=config.flash_attn,
             )
             built.callback(self.ctx.close)
-            self.drafter: NgramDrafter | ModelDrafter | None = None
+            self.drafter: NgramDrafter | ModelDrafter | MtpDrafter | None = None
+            self.mtp: MtpDrafter | None = None  # the drafter, when it follows the target's KV
             spec = config.speculative
             if spec is not None and spec.max_rows > 0:
                 if spec.type == "ngram":
                     self.drafter = NgramDrafter(spec)
+                elif spec.type == "mtp":
+                    # rows sampled in the graph give one token: no drafts, so no MTP context
+                    if not config.backend_sampling:
+                        self.drafter = self.mtp = MtpDrafter(
+                            spec, model, self.ctx, n_ctx=config.n_ctx_per_group, n_seq=n_seq, n_batch=n_batch,
+                            n_ubatch=config.n_ubatch, n_threads=spec.draft_threads or config.local_threads(),
+                            flash_attn=config.flash_attn, kv_unified=config.kv_unified)
                 else:
                     self.drafter = ModelDrafter(
                         spec, draft_model, n_ctx=config.n_ctx_per_group, n_seq=n_seq, n_batch=n_batch,
                         n_threads=spec.draft_threads or config.local_threads(), flash_attn=config.flash_attn)
-                built.callback(self.drafter.close)
+                if self.drafter is not None:
+                    built.callback(self.drafter.close)
             self._close = built.pop_all()
         self.batch = Batch(n_batch)
         self.n_ctx_slot = self.ctx.n_ctx_seq
         self.n_ubatch = self.ctx.n_ubatch
-        self.prefix = PrefixCache(self.ctx, n_swa=model.n_swa, unified=config.kv_unified,
+        # with MTP, every KV operation of the prefix cache applies to the MTP context too
+        self.prefix = PrefixCache(self.mtp.kv if self.mtp else self.ctx, n_swa=model.n_swa, unified=config.kv_unified,
                                   shareable=sharing_on(config, model),
                                   share_min=config.share_min_tokens)
         # when the decode in progress began (time.monotonic), 0.0 between decodes: a decode
@@ -109,8 +120,12 @@ class Runner:
             self.prefix.applied()
         for e in plan.entries:
             self.prefix.extend(e.slot, e.tokens)
+        if self.mtp is not None:
+            self.mtp.observe(plan)
         for c in plan.copies:
             c.done = self.prefix.copy(c.src, c.dst, c.n)
+            if self.mtp is not None:
+                self.mtp.copied(c.dst, c.src, c.n)
 
     # ---- a request starts ---------------------------------------------------------------------
 
@@ -119,10 +134,15 @@ class Runner:
         prefix, or what it keeps of its own), its sampler chain (``banned``: tokens it may not
         sample) fed the prompt, and, with backend sampling, the chain in the graph."""
         s, r, reuse = st.slot, st.request, st.reuse
+        n_held = len(s.cache_tokens)
         if reuse.source is not None and reuse.ready:
             n_reused = reuse.shared if self.prefix.copy(reuse.source, s, reuse.shared) else 0
+            if self.mtp is not None:
+                self.mtp.copied(s, reuse.source, n_reused)
         else:
             n_reused = self.prefix.keep(s, reuse.own)
+            if self.mtp is not None and n_reused < n_held:  # cut: the state before the cut is not kept
+                self.mtp.forget(s)
         sampler = SamplerChain(r.params, self.n_vocab, self.seed, force_chain=self.backend_sampling,
                                banned=banned, vocab=self.vocab, grammar=r.grammar)
         try:
@@ -143,8 +163,12 @@ class Runner:
     # ---- a slot's KV in a file ------------------------------------------------------------------
 
     def save_slot(self, s: Slot, path: Path) -> int:
-        """Write the slot's KV and tokens to ``path``; returns the bytes written."""
-        return self.ctx.seq_save(str(path), s.seq_id, s.cache_tokens)
+        """Write the slot's KV and tokens to ``path`` (and the MTP context's beside it);
+        returns the bytes written."""
+        n = self.ctx.seq_save(str(path), s.seq_id, s.cache_tokens)
+        if self.mtp is not None:
+            self.mtp.save(str(path), s)
+        return n
 
     def load_slot(self, s: Slot, path: Path) -> int:
         """Replace the slot's KV by the one saved in ``path``; returns how many tokens it holds.
@@ -156,6 +180,8 @@ class Runner:
             self.prefix.drop(s)
             raise
         self.prefix.load(s, tokens)
+        if self.mtp is not None:
+            self.mtp.load(str(path), s, self.n_ctx_slot)
         return len(tokens)
 
     def erase_slot(self, s: Slot) -> int:
@@ -168,6 +194,11 @@ class Runner:
         if not plan.rows or self.backend_sampling:
             return None
         return self.ctx.logits(plan.n_logits, self.n_vocab)
+
+    def accepted(self, slot: Slot, n: int) -> None:
+        """Verification kept ``n`` tokens of the slot's draft."""
+        if self.mtp is not None:
+            self.mtp.accepted(slot, n)
 
     def attach(self, slot: Slot) -> None:
         """Sample the slot in the graph when its chain can be (backend sampling)."""

@@ -1,11 +1,19 @@
-"""Writes the synthetic GGUF that the default demo, the tests and the benchmark serve.
+"""Writes the synthetic GGUFs that the tests and the benchmark serve.
 
-No model can be downloaded on the machines this project is built on, so it writes its own:
-llama architecture, deterministic random weights from a seed, an SPM-style vocabulary
-(special tokens, the 256 byte tokens, word pieces, filler pieces up to the requested size)
-and a chat template. Every shape is a parameter. The text it generates is gibberish; the
-output layer is scaled so that the logits are peaked, which keeps greedy decoding stable
-against the last-bit differences between batch shapes.
+``write_model``: llama architecture, deterministic random weights from a seed, an SPM-style
+vocabulary (special tokens, the 256 byte tokens, word pieces, filler pieces up to the
+requested size) and a chat template. Every shape is a parameter. The text it generates is
+gibberish; the output layer is scaled so that the logits are peaked, which keeps greedy
+decoding stable against the last-bit differences between batch shapes.
+
+``write_mtp_model``: a model with a multi-token-prediction (MTP, "nextn") layer, of the
+``hy_v3`` architecture, the simplest one whose MTP graph the vendored llama.cpp implements
+with dense layers and a plain KV cache. Its head either agrees with the model by
+construction (``head="agree"``: the trunk's first layer does all the work, the others add
+nothing, and the MTP block is a copy of that first layer fed the token's embedding, so it
+predicts exactly what the model will; ``noise`` perturbs the copy, for a head that agrees
+only in part) or is random (``head="random"``: its drafts are rejected, which exercises the
+rollback).
 """
 
 from __future__ import annotations
@@ -180,6 +188,100 @@ def write_model(path: str | os.PathLike[str], shape: ModelShape = ModelShape()) 
     # Logits with a standard deviation of about 8: peaked, so argmax is stable.
     matrix("output.weight", shape.n_vocab, e, 8.0 / np.sqrt(e))
 
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, out)
+    log.info("wrote %s", out)
+    return out
+
+
+def write_mtp_model(path: str | os.PathLike[str], shape: ModelShape = ModelShape(), *, head: str = "agree",
+                    noise: float = 0.0) -> Path:
+    """Write an ``hy_v3`` GGUF of ``shape.n_layer`` trunk layers and one MTP layer (atomically)."""
+    import gguf
+
+    if head not in ("agree", "random"):
+        raise ValueError("head must be agree or random")
+    e, ff, hd = shape.n_embd, shape.n_ff, shape.n_embd // shape.n_head
+    kv = hd * shape.n_head_kv
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    rng = np.random.default_rng(shape.seed)
+    n_all = shape.n_layer + 1  # llama.cpp's block count holds the MTP layer
+
+    w = gguf.GGUFWriter(str(tmp), "hy_v3")
+    w.add_name(f"synthetic-hy_v3-mtp-{shape.n_layer}L-{e}d-{head}")
+    w.add_context_length(shape.n_ctx_train)
+    w.add_embedding_length(e)
+    w.add_block_count(n_all)
+    w.add_feed_forward_length(ff)
+    w.add_expert_feed_forward_length(0)  # read by the architecture's loader, unused without experts
+    w.add_head_count(shape.n_head)
+    w.add_head_count_kv(shape.n_head_kv)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_nextn_predict_layers(1)
+    w.add_vocab_size(shape.n_vocab)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    tokens, scores, types = build_vocab(shape.n_vocab)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(4)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    def mat(rows: int, cols: int, scale: float) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, np.float32)
+
+    def block(live: bool = True) -> dict[str, np.ndarray]:
+        """A decoder layer's weights; a layer that is not ``live`` adds nothing to the residual."""
+        return {
+            "attn_norm": ones(e), "attn_q": mat(e, e, 1 / np.sqrt(e)), "attn_k": mat(kv, e, 1 / np.sqrt(e)),
+            "attn_v": mat(kv, e, 1 / np.sqrt(e)), "attn_output": mat(e, e, 0.5 / np.sqrt(e)) * live,
+            "attn_q_norm": ones(hd), "attn_k_norm": ones(hd), "ffn_norm": ones(e),
+            "ffn_gate": mat(ff, e, 1 / np.sqrt(e)), "ffn_up": mat(ff, e, 1 / np.sqrt(e)),
+            "ffn_down": mat(e, ff, 0.5 / np.sqrt(ff)) * live,
+        }
+
+    def put(i: int, weights: dict[str, np.ndarray]) -> None:
+        for k, v in weights.items():
+            w.add_tensor(f"blk.{i}.{k}.weight", v.astype(np.float32))
+
+    # token embeddings of RMS 1: the MTP block's input norm leaves them as the trunk sees them
+    emb = rng.standard_normal((shape.n_vocab, e))
+    w.add_tensor("token_embd.weight", (emb / np.sqrt((emb**2).mean(1, keepdims=True))).astype(np.float32))
+    w.add_tensor("output_norm.weight", ones(e))
+    w.add_tensor("output.weight", mat(shape.n_vocab, e, 8.0 / np.sqrt(e)))
+    first = block()
+    put(0, first)
+    for i in range(1, shape.n_layer):
+        put(i, block(live=head != "agree"))
+    if head == "agree":
+        # the first layer again, fed the token's embedding alone ([I | 0]: the hidden state is unused)
+        put(shape.n_layer, {k: v + noise * v.std() * rng.standard_normal(v.shape) if v.ndim == 2 else v
+                            for k, v in first.items()})
+        eh = np.zeros((e, 2 * e), np.float32)
+        eh[:, :e] = np.eye(e)
+    else:
+        put(shape.n_layer, block())
+        eh = mat(e, 2 * e, 1 / np.sqrt(2 * e))
+    m = shape.n_layer
+    w.add_tensor(f"blk.{m}.nextn.eh_proj.weight", eh)  # input: [norm(token embedding), norm(hidden state)]
+    w.add_tensor(f"blk.{m}.nextn.enorm.weight", ones(e))
+    w.add_tensor(f"blk.{m}.nextn.hnorm.weight", ones(e))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

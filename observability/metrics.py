@@ -158,6 +158,12 @@ class _LlamaServerNames:
              gen_n / gen_s if gen_s else 0.0),
             (GaugeMetricFamily, "requests_processing", "Number of requests processing.", value(m.running)),
             (GaugeMetricFamily, "requests_deferred", "Number of requests deferred.", value(m.waiting)),
+            (CounterMetricFamily, "spec_decode_num_draft_tokens", "Speculative: Total draft tokens generated",
+             sum(s.drafted for s in snaps)),
+            (CounterMetricFamily, "spec_decode_num_accepted_tokens",
+             "Speculative: Total draft tokens accepted by the target model", sum(s.accepted for s in snaps)),
+            (CounterMetricFamily, "spec_decode_num_drafts", "Speculative: Total speculative decoding verification steps",
+             sum(s.drafts for s in snaps)),
             # llama-server's name exactly (a counter family would add _total)
             (GaugeMetricFamily, "n_tokens_max", "Largest observed n_tokens.", m.n_tokens_max),
         ]

@@ -28,7 +28,8 @@ class ProfileSnapshot:
     busy_slots_sum: int = 0  # sum over steps of slots busy during the step
     kv_used: int = 0  # KV cells holding tokens after the last step
     kv_total: int = 0
-    drafted: int = 0  # speculative decoding: draft tokens verified
+    drafts: int = 0  # speculative decoding: rows verified with a draft
+    drafted: int = 0  # ... draft tokens verified
     accepted: int = 0  # ... and accepted
     prefix_copied: int = 0  # prompt tokens whose KV was copied from another slot of the group
     wait: float = 0.0
@@ -75,7 +76,7 @@ class GroupProfiler:
         self.kv_total = kv_total
         self._acc = dict.fromkeys((*PHASES, "decode_cpu"), 0.0)
         self._steps = self._rows = self._tokens = self._busy = self._ubatches = 0
-        self._drafted = self._accepted = 0
+        self._drafts = self._drafted = self._accepted = 0
         self.snapshot = ProfileSnapshot(group=group, kv_total=kv_total)
         self._log_every = log_every_s
         self._log_enabled = enabled_log
@@ -103,7 +104,8 @@ class GroupProfiler:
     def add(self, phase: str, seconds: float) -> None:
         self._acc[phase] += seconds
 
-    def add_spec(self, drafted: int, accepted: int) -> None:
+    def add_spec(self, drafts: int, drafted: int, accepted: int) -> None:
+        self._drafts += drafts
         self._drafted += drafted
         self._accepted += accepted
 
@@ -124,6 +126,7 @@ class GroupProfiler:
             busy_slots_sum=self._busy,
             kv_used=kv_used,
             kv_total=self.kv_total,
+            drafts=self._drafts,
             drafted=self._drafted,
             accepted=self._accepted,
             prefix_copied=copied,
