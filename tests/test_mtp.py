@@ -113,6 +113,15 @@ def test_greedy_output_is_the_same_with_mtp_on_and_off(make_mtp, groups):
     assert sum(p.steps for p in spec.profiles()) < sum(p.steps for p in plain.profiles()) / 2
 
 
+def test_seeded_sampling_gives_the_same_tokens_with_mtp(make_mtp):
+    seeded = SamplingParams(temperature=0.9, seed=5, max_tokens=40, ignore_eos=True)
+    plain = make_mtp(n_parallel=2)
+    spec = make_mtp(n_parallel=2, speculative=MTP)
+    for p in PROMPTS:
+        assert run(spec, p, seeded)[0] == run(plain, p, seeded)[0]
+    assert totals(spec)[2] > 0  # some drafts were accepted while sampling
+
+
 def test_a_random_head_is_rejected_and_rolled_back_without_changing_the_output(make_mtp):
     plain = make_mtp("random", n_parallel=4)
     spec = make_mtp("random", n_parallel=4, speculative=MTP)
@@ -138,13 +147,14 @@ def test_concurrent_rows_draft_together_and_keep_their_own_output(make_mtp):
         assert all(p.drafted > 0 for p in spec.profiles())  # both groups drafted
 
 
-def test_shared_prefixes_and_n_choices_carry_the_mtp_state(make_mtp):
+@pytest.mark.parametrize("kv_unified", [False, True])
+def test_shared_prefixes_and_n_choices_carry_the_mtp_state(make_mtp, kv_unified):
     """A prompt that copies another slot's prefix, and n = 3 choices whose followers copy the
     leader's prompt: their MTP KV is copied with the target's, output as without MTP, and
     drafts are still accepted after the copy."""
     system = "the king said hello to the world " * 12
     plain = make_mtp(n_parallel=4)
-    spec = make_mtp(n_parallel=4, speculative=MTP)
+    spec = make_mtp(n_parallel=4, speculative=MTP, kv_unified=kv_unified)
     tails = ["and the queen", "and the dog", "and the house"]
     want = [run(plain, system + t, GREEDY)[0] for t in tails]
     # slot 1 copies slot 0's finished prefix; then slots 2 and 3 arrive together, and 3 waits
