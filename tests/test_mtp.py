@@ -249,3 +249,20 @@ def test_metrics_report_drafted_and_accepted_per_group_and_under_llama_servers_n
     per_group = {s.labels["group"]: s.value for s in fams["pgroups_group_spec_drafted_tokens"].samples
                  if s.name.endswith("_total")}
     assert set(per_group) == {"0", "1"} and sum(per_group.values()) == drafted
+
+
+def test_no_drafts_above_max_rows(make_mtp):
+    """Four rows generating in one group with max_rows 1: the group drafts only in the steps
+    where at most one row generates (as the load starts and drains)."""
+    spec = make_mtp(n_parallel=4, speculative={**MTP, "max_rows": 1})
+    prompts = [p + " again" for p in [*PROMPTS, "one more"]]
+    with ThreadPoolExecutor(4) as ex:
+        list(ex.map(lambda p: run(spec, p, GREEDY), prompts))
+    drafts, _, _ = totals(spec)
+    steps = sum(p.steps for p in spec.profiles())
+    assert drafts < steps / 3, (drafts, steps)
+    busy = make_mtp(n_parallel=4, speculative={**MTP, "max_rows": 4})
+    with ThreadPoolExecutor(4) as ex:
+        list(ex.map(lambda p: run(busy, p, GREEDY), prompts))
+    assert totals(busy)[0] > 3 * drafts  # the same load under a higher threshold drafts
+    assert make_mtp(n_parallel=1, speculative={**MTP, "max_rows": 0}).groups[0].runner.mtp is None
