@@ -29,7 +29,7 @@ FLAGS_ID := $(shell echo '$(CMAKE_FLAGS)' | md5sum | cut -c1-8)
 WHEEL_DIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)-$(FLAGS_ID)
 STAMP := $(VENV)/.installed-$(LLAMA_VARIANT)-$(FLAGS_ID)
 
-.PHONY: install wheel model model-synthetic browser serve test test-fast test-cluster lint bench bench-spec bench-prefix llama-server cluster-up cluster-down clean
+.PHONY: install wheel model model-synthetic browser serve test test-fast test-cluster lint bench bench-spec bench-prefix bench-long llama-server cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -116,6 +116,10 @@ bench-spec: install model
 # Shared prefixes: 32 clients, a 1,000-token system prompt, against llama-server (bench/prefix.py)
 bench-prefix: install model-synthetic llama-server
 	LLAMA_SERVER_BIN=$(LLAMA_SERVER_DIR) $(PY) -m bench.prefix $(BENCH_ARGS)
+
+# A long prompt beside 8 decoding streams: their token gaps during its prefill (bench/long_prompt.py)
+bench-long: install model llama-server
+	LLAMA_SERVER_BIN=$(LLAMA_SERVER_DIR) $(PY) -m bench.long_prompt $(BENCH_ARGS)
 
 bench: install model-synthetic llama-server
 	LLAMA_SERVER_BIN=$(LLAMA_SERVER_DIR) $(PY) -m bench.run $(BENCH_ARGS)

@@ -70,6 +70,21 @@ class EngineConfig(BaseModel):
     )
     n_batch: int = Field(default=512, ge=1, description="Most tokens one decode step carries [-b].")
     n_ubatch: int = Field(default=512, ge=1, description="Physical micro-batch size [-ub].")
+    prefill_stall: float | None = Field(
+        default=0.5, ge=0.01, le=100.0,
+        description="Chunked prefill: while any stream decodes, a step's prompt tokens are cut so that "
+        "the step lasts about (1 + this) times a step without them (learnt from the steps); a long "
+        "prompt then stretches the other streams' token gaps by this share instead of by its whole "
+        "chunk. None: prompts fill the batch up to n_batch, as llama-server does.",
+    )
+    prefill_chunk_min: int = Field(
+        default=32, ge=1, description="Chunked prefill: the fewest prompt tokens a step carries, so a prompt always progresses."
+    )
+    prefill_long_tokens: int = Field(
+        default=256, ge=0,
+        description="Chunked prefill applies to prompts with more tokens than this to evaluate; shorter "
+        "ones are evaluated whole, as llama-server does, so their time to the first token is unchanged.",
+    )
     n_threads: int = Field(
         default=0, ge=0, description="Threads of the local compute device; 0 picks one per core [-t]."
     )

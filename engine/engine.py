@@ -23,6 +23,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.budget import PrefillBudget
 from engine.config import EngineConfig
 from engine.embeddings import Embedder
 from engine.grammar import GrammarCompiler
@@ -119,9 +120,12 @@ class Engine:
                 share_prefix=sharing_on(config, self.model),
                 share_min=config.share_min_tokens,
             )
+            # chunked prefill: one budget for the groups, which share the stages
+            self.prefill = PrefillBudget(config.pipeline_groups, config.prefill_stall, config.prefill_chunk_min)
             for g in range(config.pipeline_groups):
                 group = PipelineGroup(g, self.model, self.tokenizer, config, self.slots[g * per : (g + 1) * per],
-                                      self._sink, self.scheduler.release, draft_model=self.draft_model)
+                                      self._sink, self.scheduler.release, draft_model=self.draft_model,
+                                      budget=self.prefill)
                 built.callback(group.close)
                 self.groups.append(group)
             self.embedder = (Embedder(self.model, config.n_ubatch, config.local_threads(), config.pooling,

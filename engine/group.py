@@ -28,6 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.budget import PrefillBudget
 from engine.config import EngineConfig
 from engine.native import Model, NativeError
 from engine.planner import draft_requests, generating, plan_start, plan_step
@@ -76,6 +77,7 @@ class PipelineGroup:
         sink: Sink,
         on_release: Callable[[SlotView, bool], None],
         draft_model: Model | None = None,
+        budget: PrefillBudget | None = None,
     ) -> None:
         self.index = index
         self.model = model
@@ -90,6 +92,7 @@ class PipelineGroup:
         self.prefix = self.runner.prefix
         self.n_ctx_slot = self.runner.n_ctx_slot
         self.spec = config.speculative
+        self.budget = budget or PrefillBudget(1, config.prefill_stall, config.prefill_chunk_min)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.prof = GroupProfiler(index, kv_total=self.runner.ctx.n_ctx, enabled_log=config.profile)
         self.processor = OutputProcessor(index, tokenizer, self.runner, self.prof, config.sample_threads_per_group())
@@ -244,12 +247,16 @@ class PipelineGroup:
 
     def _step(self) -> None:
         """One step: plan, run, process, send; each part timed by the profiler."""
-        prof, runner = self.prof, self.runner
+        prof, runner, budget = self.prof, self.runner, self.budget
         with prof.timed("draft"):
             drafts = self._drafts()
         with prof.timed("batch"):
-            plan = plan_step(self.active, drafts, runner.capacity, runner.n_ubatch, self.config.kv_unified)
+            n_rows = len(generating(self.active))
+            plan = plan_step(self.active, drafts, runner.capacity, runner.n_ubatch, self.config.kv_unified,
+                             budget.tokens(self.index, n_rows, runner.capacity), self.config.prefill_long_tokens)
             runner.fill(plan)
+        n_prompt = sum(len(e.tokens) for e in plan.entries if e.slot.state is SlotState.PROMPT)
+        t0 = time.perf_counter()
         try:
             # the thread's CPU time in decode: the local stage's compute when it runs on the CPU
             with prof.timed("decode"), prof.cpu("decode_cpu"):
@@ -263,6 +270,7 @@ class PipelineGroup:
             return
         with prof.timed("sync"):
             logits = runner.logits(plan)
+        budget.observe(n_rows, n_prompt, time.perf_counter() - t0)
         plan.advance()
         got = self.processor.process(plan, logits)
         outs = got.outputs
@@ -270,6 +278,7 @@ class PipelineGroup:
             outs.append(self._finish(s, end.reason, end.text, **end.figures))
         for s in got.began:  # published once (/slots, the page)
             self.on_release(s.view(), False)
+        budget.decoding[self.index] = len(generating(self.active))
         with prof.timed("send"):
             if outs:
                 self.sink(outs)
@@ -299,6 +308,7 @@ class PipelineGroup:
         self.prefix.settle(s)
         if s in self.active:
             self.active.remove(s)
+        self.budget.decoding[self.index] = len(generating(self.active))
         if release:
             self.on_release(s.view(), True)
         return out

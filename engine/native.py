@@ -169,13 +169,16 @@ class DeviceInfo:
     memory_total: int
 
 
-def list_devices() -> list[DeviceInfo]:
+def list_devices(memory: bool = True) -> list[DeviceInfo]:
+    """The devices of this process; without ``memory`` their names and types only (asking a
+    registered RPC device for its memory talks to its server, which may be gone)."""
     g = ggml()
     out = []
     for i in range(g.dev_count()):
         dev = g.dev_get(i)
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        g.dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        if memory:
+            g.dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
         out.append(
             DeviceInfo(
                 name=g.dev_name(dev).decode(),
@@ -230,7 +233,7 @@ def resolve_devices(names: list[str]) -> ctypes.Array:
     for n in names:
         dev = g.dev_by_name(n.encode())
         if not dev:
-            avail = ", ".join(d.name for d in list_devices())
+            avail = ", ".join(d.name for d in list_devices(memory=False))
             raise ValueError(f"unknown device {n!r}; available devices: {avail}")
         ptrs.append(dev)
     arr = (ctypes.c_void_p * (len(ptrs) + 1))(*ptrs, None)

@@ -117,9 +117,11 @@ def draft_requests(gen: list[Slot], spec: SpeculativeConfig, n_ctx_slot: int) ->
 
 
 def plan_step(active: list[Slot], drafts: dict[int, list[int]], capacity: int, n_ubatch: int,
-              unified: bool) -> Plan:
+              unified: bool, prompt_budget: int | None = None, long_prompt: int = 0) -> Plan:
     """This step's work for the group's ``active`` slots (in the order they became busy);
-    ``drafts`` maps a slot id to its draft tokens; ``capacity`` is the batch's size."""
+    ``drafts`` maps a slot id to its draft tokens; ``capacity`` is the batch's size.
+    ``prompt_budget`` (chunked prefill, engine/budget.py): the most tokens the step takes of
+    prompts with more than ``long_prompt`` tokens to evaluate; shorter ones go whole."""
     gen = generating(active)
     entries: list[Entry] = []
     free = capacity - len(gen)
@@ -127,12 +129,19 @@ def plan_step(active: list[Slot], drafts: dict[int, list[int]], capacity: int, n
         draft = drafts.get(s.id, ())[:free]
         free -= len(draft)
         entries.append(Entry(s, s.seq_id, len(s.cache_tokens), [s.last_token, *draft], True, list(draft)))
+    budget = free if prompt_budget is None else prompt_budget
     for s in active:
         if s.state is not SlotState.PROMPT or free == 0 or s.waiting:
             continue
         p = s.req.prompt_tokens
-        chunk = p[s.n_prompt_done : s.n_prompt_done + free]
+        long = len(p) - s.n_reused > long_prompt
+        n = min(free, budget) if long else free
+        if n <= 0:
+            continue
+        chunk = p[s.n_prompt_done : s.n_prompt_done + n]
         free -= len(chunk)
+        if long:
+            budget -= len(chunk)
         entries.append(Entry(s, s.seq_id, s.n_prompt_done, chunk, s.n_prompt_done + len(chunk) == len(p)))
     entries = order_entries(entries)
     rows: list[Row] = []

@@ -36,7 +36,7 @@ def test_default_device_order_puts_the_rpc_device_first(make_engine, rpc_endpoin
 
 def test_unknown_device_is_refused_with_the_list(make_engine, rpc_endpoint):
     with pytest.raises(ValueError, match="available devices: .*CPU"):
-        make_engine(n_parallel=2, rpc_endpoints=[rpc_endpoint], devices=["RPC0", "GPU7"])
+        make_engine(n_parallel=2, rpc_endpoints=[rpc_endpoint], devices=["CPU", "GPU7"])
 
 
 def test_split_greedy_identical_for_1_2_4_groups_and_unsplit(make_engine, rpc_endpoint):
@@ -60,11 +60,12 @@ def test_split_greedy_identical_for_1_2_4_groups_and_unsplit(make_engine, rpc_en
 def test_local_first_order_is_possible_and_identical(make_engine, rpc_endpoint):
     rpc_first = make_engine(n_parallel=4, n_ctx=2048, pipeline_groups=2, rpc_endpoints=[rpc_endpoint])
     a = [rpc_first.generate(p, P).text for p in PROMPTS[:4]]
+    rpc = rpc_first.devices[0]  # the endpoint's device name (RPC<n>, in the process's order of registration)
     rpc_first.close()
     local_first = make_engine(
-        n_parallel=4, n_ctx=2048, pipeline_groups=2, rpc_endpoints=[rpc_endpoint], devices=["CPU", "RPC0"]
+        n_parallel=4, n_ctx=2048, pipeline_groups=2, rpc_endpoints=[rpc_endpoint], devices=["CPU", rpc]
     )
-    assert local_first.devices == ["CPU", "RPC0"]
+    assert local_first.devices == ["CPU", rpc]
     assert [local_first.generate(p, P).text for p in PROMPTS[:4]] == a
 
 
@@ -116,7 +117,11 @@ class CountingLink:
                 client, _ = self._lsock.accept()
             except OSError:
                 return
-            server = socket.create_connection(("127.0.0.1", self._target))
+            try:
+                server = socket.create_connection(("127.0.0.1", self._target))
+            except OSError:  # the server is gone: the client sees its connection end
+                client.close()
+                continue
             for a, b, count in ((client, server, True), (server, client, False)):
                 threading.Thread(target=self._pump, args=(a, b, count), daemon=True).start()
 
@@ -136,6 +141,14 @@ class CountingLink:
                     pass
 
     def close(self) -> None:
+        """Stop listening for good: later connections are refused, as by a server that is gone
+        (a listener closed under a blocked accept() would queue them unanswered)."""
+        import socket
+
+        try:
+            self._lsock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._lsock.close()
 
 

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     for n in names:
         d = g.dev_by_name(n.encode())
         if not d:
-            avail = ", ".join(x.name for x in list_devices())
+            avail = ", ".join(x.name for x in list_devices(memory=False))
             sys.exit(f"unknown device {n!r}; available: {avail}")
         devs.append(d)
     arr = (ctypes.c_void_p * len(devs))(*devs)

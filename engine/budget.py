@@ -1,0 +1,51 @@
+"""Chunked prefill: how many prompt tokens a step may carry while other streams decode.
+
+A step that evaluates a prompt chunk beside generating rows makes every one of those streams
+wait for the chunk, and so does every other group's next step behind it on the shared stages.
+llama-server fills the batch up to ``n_batch``, so a long prompt stretches the others' gaps
+by its chunk's whole cost. Here, while any stream of the engine decodes, a step's prompt
+tokens are cut so that the step lasts about ``1 + stall`` times a step without them: the
+cost of a step is learnt from the steps themselves (a moving mean of the steps without prompt
+tokens, and of the time each prompt token adds), so the cut follows the hardware: a GPU
+evaluates a large chunk for little more than a decode step, a CPU pays per token. A prompt
+gets at least ``chunk_min`` tokens a step, so it always progresses; with nothing decoding it
+gets the whole batch.
+
+One budget is shared by the engine's groups (they run the same model on the same stages);
+each group writes its own step times, and reads the others' count of generating rows.
+"""
+
+from __future__ import annotations
+
+EMA = 0.2  # weight of the newest step in the moving means
+
+
+class PrefillBudget:
+    def __init__(self, n_groups: int, stall: float | None, chunk_min: int) -> None:
+        self.stall = stall  # None: off (llama-server's behaviour)
+        self.chunk_min = max(1, chunk_min)
+        self.decoding = [0] * n_groups  # generating rows per group, after its last step
+        self.t_decode: float | None = None  # seconds of a step without prompt tokens
+        self.t_token: float | None = None  # seconds one prompt token adds to a step
+
+    def observe(self, n_rows: int, n_prompt: int, seconds: float) -> None:
+        """A step ran for ``seconds``: ``n_prompt`` prompt tokens beside ``n_rows`` generating rows."""
+        if n_prompt == 0:
+            if n_rows:
+                self.t_decode = _mean(self.t_decode, seconds)
+            return
+        base = self.t_decode if (self.t_decode is not None and n_rows) else 0.0
+        self.t_token = _mean(self.t_token, max(seconds - base, 0.0) / n_prompt)
+
+    def tokens(self, group: int, n_generating: int, capacity: int) -> int:
+        """The most prompt tokens the next step of ``group`` may carry (its own generating rows
+        ``n_generating``; the batch holds ``capacity``)."""
+        if self.stall is None or not (n_generating or any(n for g, n in enumerate(self.decoding) if g != group)):
+            return capacity
+        if self.t_decode is None or not self.t_token:
+            return min(self.chunk_min, capacity)
+        return max(self.chunk_min, min(capacity, int(self.stall * self.t_decode / self.t_token)))
+
+
+def _mean(old: float | None, new: float) -> float:
+    return new if old is None else old + EMA * (new - old)
