@@ -9,7 +9,7 @@ default, ``prefill_stall`` 0.5) and off (the batch filled to ``n_batch``, as lla
 does), and llama-server with rpc-server on the same split (``LLAMA_SERVER_BIN``; skipped
 without it). Prints one JSON line per arm and a table; writes bench/results/long_prompt.*.
 
-    python -m bench.long_prompt [--prompt 4096] [--arms ...]     (make bench-long)
+    python -m bench.long_prompt [--prompt 4096] [--arms "a;b"]     (make bench-long)
 """
 
 from __future__ import annotations
@@ -154,13 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompt", type=int, default=4096, help="tokens of the long prompt")
     ap.add_argument("--steady", type=float, default=8.0, help="seconds of steady decoding measured first")
-    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated arm names")
+    ap.add_argument("--arms", default=";".join(ARMS), help="arm names, separated by semicolons")
     a = ap.parse_args(argv)
     streams, long_prompt = prompts(a.prompt)
     server = rpc_server.launch("127.0.0.1", PORT, threads=1)
     rows = []
     try:
-        for name in a.arms.split(","):
+        for name in a.arms.split(";"):
             try:
                 open_stream, close = ARMS[name]()
             except FileNotFoundError as e:  # llama-server not built

@@ -78,7 +78,7 @@ class EngineConfig(BaseModel):
         "chunk. None: prompts fill the batch up to n_batch, as llama-server does.",
     )
     prefill_chunk_min: int = Field(
-        default=32, ge=1, description="Chunked prefill: the fewest prompt tokens a step carries, so a prompt always progresses."
+        default=8, ge=1, description="Chunked prefill: the fewest prompt tokens a step carries, so a prompt always progresses."
     )
     prefill_long_tokens: int = Field(
         default=256, ge=0,
