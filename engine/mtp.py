@@ -24,10 +24,11 @@ What the drafter keeps in step with the target, per sequence of the group (a slo
   rejected tokens' KV leaves both contexts through the prefix cache).
 
 Where the state before a position is not at hand (a prefix reused or copied from another slot
-in an earlier step, a slot restored from a file saved without it), it is zero: that row's
-draft may be rejected more often; the output never changes, since every draft is verified.
-A sequence whose MTP KV does not end where the target's does (after a failure) drafts
-nothing until it starts again from an empty KV.
+in an earlier step) it is zero: that row's draft may be rejected more often; the output never
+changes, since every draft is verified. A sequence whose MTP KV does not end where the
+target's does drafts nothing; after a failure (the MTP KV forgotten) or a slot restored from a
+file saved without it, the mirror writes the positions that follow, and the MTP layers attend
+over those only.
 """
 
 from __future__ import annotations
@@ -203,8 +204,8 @@ class MtpDrafter:
         self.ctx.seq_save(path + ".mtp", slot.seq_id, slot.cache_tokens)
 
     def load(self, path: str, slot: Slot, capacity: int) -> None:
-        """The MTP KV saved beside a slot file; without one the sequence drafts nothing until
-        it starts again."""
+        """The MTP KV saved beside a slot file; without one the sequence's MTP KV is empty and
+        holds only what the mirror writes after it."""
         self.ctx.seq_rm(slot.seq_id, 0, -1)
         self.forget(slot)
         try:

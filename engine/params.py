@@ -10,6 +10,10 @@ from engine.grammar import MAX_GRAMMAR_BYTES, GrammarSpec
 # llama-server's sampler names (and the aliases it accepts) -> the names the chain uses
 SAMPLER_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 MAX_STOP_CHARS = 256  # a stop string or DRY sequence breaker
+# llama.cpp tokenises every DRY sequence breaker when the request's sampler is made, on its
+# group's thread, at a cost that grows with the text and the vocabulary's special tokens
+# (half a second per 256 characters on Gemma 3 on a 2-core box): the breakers are bounded in all
+MAX_DRY_BREAKER_CHARS = 256
 
 SAMPLER_NAMES = {**{s: s for s in SAMPLER_ORDER}, "typical_p": "typ_p", "temp": "temperature", "nucleus": "top_p",
                  "infill": "infill"}  # infill: llama.cpp's fill-in-the-middle sampler, only where asked
@@ -100,6 +104,13 @@ class SamplingParams(BaseModel):
     def _short_strings(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         if any(len(x) > MAX_STOP_CHARS for x in v):
             raise ValueError(f"each string may be at most {MAX_STOP_CHARS} characters")
+        return v
+
+    @field_validator("dry_sequence_breakers")
+    @classmethod
+    def _few_breakers(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if sum(len(x) for x in v) > MAX_DRY_BREAKER_CHARS:
+            raise ValueError(f"dry_sequence_breakers may hold at most {MAX_DRY_BREAKER_CHARS} characters in all")
         return v
 
     @field_validator("logit_bias")
