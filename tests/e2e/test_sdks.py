@@ -191,7 +191,8 @@ def test_openai_agents_sdks_default_model_runs_a_tool_loop(base):
         client = AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
         agent = Agent(name="weather", instructions="Use the tool.", tools=[get_weather], output_type=City,
                       model=OpenAIResponsesModel("gpt-4.1", client),
-                      model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=400))
+                      model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=400,
+                                                   temperature=0))  # greedy: the same loop every run
         for streamed in (False, True):
             calls.clear()
             if streamed:
