@@ -114,6 +114,36 @@ def build_vocab(n_vocab: int, fim: bool = False) -> tuple[list[bytes], list[floa
     return tokens, scores, types
 
 
+def finish(w: object, tmp: Path, out: Path) -> Path:
+    """Write the GGUF and put it in place in one rename (a reader never sees half a file)."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, out)
+    log.info("wrote %s", out)
+    return out
+
+
+def write_tokenizer(w: object, shape: ModelShape) -> None:
+    """The vocabulary, its special tokens and the chat template, into a ``GGUFWriter``."""
+    tokens, scores, types = build_vocab(shape.n_vocab, shape.fim)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(4)  # <|im_end|> ends a chat turn
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    if shape.fim:
+        for key, text in zip(FIM_KEYS, FIM_TOKENS, strict=True):
+            w.add_uint32(f"tokenizer.ggml.fim_{key}_token_id", tokens.index(text.encode()))
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
 def write_model(path: str | os.PathLike[str], shape: ModelShape = ModelShape()) -> Path:
     """Write a llama-architecture GGUF with random weights to ``path`` (atomically)."""
     import gguf
@@ -144,21 +174,7 @@ def write_model(path: str | os.PathLike[str], shape: ModelShape = ModelShape()) 
     ftype = gguf.LlamaFileType.MOSTLY_F16 if shape.ftype == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0
     w.add_file_type(ftype)
 
-    tokens, scores, types = build_vocab(shape.n_vocab, shape.fim)
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(4)  # <|im_end|> ends a chat turn
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    if shape.fim:
-        for key, text in zip(FIM_KEYS, FIM_TOKENS, strict=True):
-            w.add_uint32(f"tokenizer.ggml.fim_{key}_token_id", tokens.index(text.encode()))
-    w.add_chat_template(CHAT_TEMPLATE)
+    write_tokenizer(w, shape)
 
     qtype = gguf.GGMLQuantizationType.F16 if shape.ftype == "f16" else gguf.GGMLQuantizationType.Q8_0
 
@@ -188,13 +204,7 @@ def write_model(path: str | os.PathLike[str], shape: ModelShape = ModelShape()) 
     # Logits with a standard deviation of about 8: peaked, so argmax is stable.
     matrix("output.weight", shape.n_vocab, e, 8.0 / np.sqrt(e))
 
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, out)
-    log.info("wrote %s", out)
-    return out
+    return finish(w, tmp, out)
 
 
 def write_mtp_model(path: str | os.PathLike[str], shape: ModelShape = ModelShape(), *, head: str = "agree",
@@ -227,18 +237,7 @@ def write_mtp_model(path: str | os.PathLike[str], shape: ModelShape = ModelShape
     w.add_nextn_predict_layers(1)
     w.add_vocab_size(shape.n_vocab)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    tokens, scores, types = build_vocab(shape.n_vocab)
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(4)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    write_tokenizer(w, shape)
 
     def mat(rows: int, cols: int, scale: float) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
@@ -282,13 +281,7 @@ def write_mtp_model(path: str | os.PathLike[str], shape: ModelShape = ModelShape
     w.add_tensor(f"blk.{m}.nextn.eh_proj.weight", eh)  # input: [norm(token embedding), norm(hidden state)]
     w.add_tensor(f"blk.{m}.nextn.enorm.weight", ones(e))
     w.add_tensor(f"blk.{m}.nextn.hnorm.weight", ones(e))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, out)
-    log.info("wrote %s", out)
-    return out
+    return finish(w, tmp, out)
 
 
 def main(argv: list[str] | None = None) -> None:
