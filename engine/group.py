@@ -76,8 +76,9 @@ class PipelineGroup:
         slots: list[Slot],
         sink: Sink,
         on_release: Callable[[SlotView, bool], None],
+        *,
+        budget: PrefillBudget,
         draft_model: Model | None = None,
-        budget: PrefillBudget | None = None,
     ) -> None:
         self.index = index
         self.model = model
@@ -92,7 +93,7 @@ class PipelineGroup:
         self.prefix = self.runner.prefix
         self.n_ctx_slot = self.runner.n_ctx_slot
         self.spec = config.speculative
-        self.budget = budget or PrefillBudget(1, config.prefill_stall, config.prefill_chunk_min)
+        self.budget = budget  # chunked prefill's, shared by the engine's groups
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.prof = GroupProfiler(index, kv_total=self.runner.ctx.n_ctx, enabled_log=config.profile)
         self.processor = OutputProcessor(index, tokenizer, self.runner, self.prof, config.sample_threads_per_group())

@@ -13,18 +13,19 @@ What the drafter keeps in step with the target, per sequence of the group (a slo
 - **the mirror**: after every target decode, each batch token is decoded in the MTP context
   too, at the same position, with the target's hidden state of the position before it
   (``pairs``): MTP cell ``p`` holds ``(x_p, h_{p-1})``. The last row's state waits for the
-  next token (``pending``). The KV of both contexts follows every cut, copy and removal the
-  prefix cache makes (``PairedKv``), so both hold the same positions.
+  next token (``pending``). Every cut, copy and removal the prefix cache makes goes through
+  ``PairedKv``: both contexts hold the same positions, and a sequence's carried state is
+  the one of the position it now ends at.
 - **the draft**: one row per drafting sequence, its last sampled token at the next position
   with ``pending``; each drafted token goes back in with the MTP head's own output state (one
   head, reused), until ``n_max`` or until the pick's probability falls under ``p_min``. The
   draft's cells are removed again: the target verifies the draft and the mirror writes what
   it decoded.
-- **after verification**: ``pending`` becomes the state of the last accepted position (the
-  rejected tokens' KV leaves both contexts through the prefix cache).
+- **after verification**: the rejected tokens' KV leaves both contexts through the prefix
+  cache, so the carried state is the last accepted position's.
 
-Where the state before a position is not at hand (a prefix reused or copied from another slot
-in an earlier step) it is zero: that row's draft may be rejected more often; the output never
+Where the state of the position a sequence now ends at is not at hand (a prefix cut or copied
+at a position the last decode did not compute) it is zero: that row's draft may be rejected more often; the output never
 changes, since every draft is verified. A sequence whose MTP KV does not end where the
 target's does drafts nothing; after a failure (the MTP KV forgotten) or a slot restored from a
 file saved without it, the mirror writes the positions that follow, and the MTP layers attend
@@ -70,24 +71,49 @@ def pairs(entries: list[tuple[int, int, int]], h: np.ndarray, pending: dict[int,
 
 class PairedKv:
     """The KV operations of a group's target context, applied to its MTP context too (the
-    prefix cache's view of the pair); what is read comes from the target."""
+    prefix cache's view of the pair; what is read comes from the target), and the state each
+    sequence carries into its next MTP row, kept for the position it ends at."""
 
     def __init__(self, target: Context, mtp: Context) -> None:
         self.target, self.mtp = target, mtp
+        self.pending: dict[int, np.ndarray] = {}  # seq -> the state of its last position
+        # the last target decode: its states, and where each sequence's rows were
+        self.h = np.zeros((0, 0), np.float32)
+        self.rows: dict[int, tuple[int, int, int]] = {}  # seq -> (batch offset, first position, n)
 
     def seq_rm(self, seq_id: int, p0: int, p1: int = -1) -> bool:
         self.mtp.seq_rm(seq_id, p0, p1)
-        return self.target.seq_rm(seq_id, p0, p1)
+        ok = self.target.seq_rm(seq_id, p0, p1)
+        if p1 < 0:  # the prefix cache cuts only what a sequence holds: it now ends at p0 - 1
+            self._ends_at(seq_id, p0 - 1)
+        return ok
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         self.mtp.seq_cp(src, dst, p0, p1)
         self.target.seq_cp(src, dst, p0, p1)
+        # up to where it was copied, the destination holds the source's tokens and states
+        if src in self.rows:
+            self.rows[dst] = self.rows[src]
+        if p1 >= 0:
+            self._ends_at(dst, p1 - 1)
+        elif src in self.pending:
+            self.pending[dst] = self.pending[src]
 
     def seq_pos_min(self, seq_id: int) -> int:
         return self.target.seq_pos_min(seq_id)
 
     def seq_pos_max(self, seq_id: int) -> int:
         return self.target.seq_pos_max(seq_id)
+
+    def _ends_at(self, seq: int, pos: int) -> None:
+        """The target's state at ``pos`` when the last decode computed it, else none (zero)."""
+        row = self.rows.get(seq)
+        if row is not None and row[1] <= pos < row[1] + row[2]:
+            self.pending[seq] = self.h[row[0] + pos - row[1]]
+        else:
+            self.pending.pop(seq, None)
+            if pos < 0:
+                self.rows.pop(seq, None)
 
 
 class MtpDrafter:
@@ -97,7 +123,6 @@ class MtpDrafter:
 
     def __init__(self, cfg: SpeculativeConfig, model: Model, target: Context, *, n_ctx: int, n_seq: int,
                  n_batch: int, n_ubatch: int, n_threads: int, flash_attn: bool | None, kv_unified: bool) -> None:
-        require_mtp(model)
         self.cfg = cfg
         self.target = target
         self.n_vocab = model.n_vocab
@@ -113,54 +138,31 @@ class MtpDrafter:
         self.kv = PairedKv(target, self.ctx)
         self.batch = Batch(n_batch, self.n_embd)
         self.zero = np.zeros(self.n_embd, np.float32)
-        self.pending: dict[int, np.ndarray] = {}  # seq -> the state of its last position in the KV
-        # the last target decode: its states, and where each sequence's rows were
-        self._h = np.zeros((0, self.n_embd), np.float32)
-        self._rows: dict[int, tuple[int, int, int]] = {}  # seq -> (batch offset, first position, n)
 
     # ---- after each target decode -------------------------------------------------------------
 
     def observe(self, plan: Plan) -> None:
         """Mirror the batch the target just decoded into the MTP context."""
+        kv = self.kv
         entries, o = [], 0
         for e in plan.entries:
             entries.append((e.seq_id, o, len(e.tokens)))
             o += len(e.tokens)
-        self._rows = {seq: (off, e.pos0, n) for (seq, off, n), e in zip(entries, plan.entries, strict=True)}
+        kv.rows = {seq: (off, e.pos0, n) for (seq, off, n), e in zip(entries, plan.entries, strict=True)}
         if o == 0:
             return
-        self._h = self.target.embeddings_nextn(o, self.n_embd).copy()
-        states = pairs(entries, self._h, self.pending, self.zero)
+        kv.h = self.target.embeddings_nextn(o, self.n_embd).copy()
+        states = pairs(entries, kv.h, kv.pending, self.zero)
         b = self.batch
         b.clear()
         for (seq, off, n), e in zip(entries, plan.entries, strict=True):
             b.add(e.tokens, e.pos0, seq, False, states[off : off + n])
-            self.pending[seq] = self._h[off + n - 1]
+            kv.pending[seq] = kv.h[off + n - 1]
         try:
             self.ctx.decode(b)
         except NativeError as err:  # the group goes on without drafts for these sequences
             log.warning("MTP mirror failed: %s", err)
             self.reset()
-
-    def copied(self, dst: Slot, src: Slot, n: int) -> None:
-        """``dst`` took the first ``n`` tokens of ``src``'s KV (both contexts): its state is
-        ``src``'s at ``n - 1`` when this step computed it, else zero."""
-        row = self._rows.get(src.seq_id)
-        if row is not None and row[1] <= n - 1 < row[1] + row[2]:
-            self.pending[dst.seq_id] = self._h[row[0] + n - 1 - row[1]]
-        else:
-            self.pending.pop(dst.seq_id, None)
-
-    def accepted(self, slot: Slot, n: int) -> None:
-        """Verification kept the row's first ``n`` draft tokens: the sequence's state is the
-        one of its last accepted position."""
-        row = self._rows.get(slot.seq_id)
-        if row is not None and n < row[2]:
-            self.pending[slot.seq_id] = self._h[row[0] + n]
-
-    def forget(self, slot: Slot) -> None:
-        """The slot's KV was replaced from outside the mirror (reuse cut, restore)."""
-        self.pending.pop(slot.seq_id, None)
 
     # ---- drafting -----------------------------------------------------------------------------
 
@@ -172,7 +174,7 @@ class MtpDrafter:
             pos = len(hist) - 1  # the last token is not in the KV yet
             if self.ctx.seq_pos_max(s.seq_id) != pos - 1:
                 continue  # the MTP KV is not where the target's is: no draft
-            live.append((i, s.seq_id, hist[-1], pos, self.pending.get(s.seq_id, self.zero)))
+            live.append((i, s.seq_id, hist[-1], pos, self.kv.pending.get(s.seq_id, self.zero)))
         starts = {seq: pos for _, seq, _, pos, _ in live}
         b, p_min = self.batch, self.cfg.p_min
         try:
@@ -204,10 +206,8 @@ class MtpDrafter:
         self.ctx.seq_save(path + ".mtp", slot.seq_id, slot.cache_tokens)
 
     def load(self, path: str, slot: Slot, capacity: int) -> None:
-        """The MTP KV saved beside a slot file; without one the sequence's MTP KV is empty and
-        holds only what the mirror writes after it."""
-        self.ctx.seq_rm(slot.seq_id, 0, -1)
-        self.forget(slot)
+        """The MTP KV saved beside a slot file, into the slot's emptied sequence; without one it
+        stays empty and holds only what the mirror writes after it."""
         try:
             self.ctx.seq_load(path + ".mtp", slot.seq_id, capacity)
         except (NativeError, OSError):
@@ -216,7 +216,7 @@ class MtpDrafter:
     def reset(self) -> None:
         """Forget every sequence of the MTP context (its KV no longer follows the target's)."""
         self.ctx.clear()
-        self.pending.clear()
+        self.kv.pending.clear()
 
     def close(self) -> None:
         self.ctx.close()

@@ -31,8 +31,6 @@ _init_lock = threading.Lock()
 _initialised = False
 
 
-
-
 def _load(name: str) -> ctypes.CDLL:
     for cand in sorted(_LIB_DIR.glob(f"lib{name}.so*")) + sorted(_LIB_DIR.glob(f"lib{name}.dylib")):
         return ctypes.CDLL(str(cand), mode=ctypes.RTLD_GLOBAL)

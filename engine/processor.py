@@ -205,7 +205,6 @@ class OutputProcessor:
                 n += 1
             if n < len(draft):
                 self.prefix.cut(s, r.pos0 + 1 + n)  # the row's last token and the accepted drafts
-            self.runner.accepted(s, n)
             s.spec.record(len(draft), n)
             drafts += 1
             drafted += len(draft)

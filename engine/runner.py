@@ -124,8 +124,6 @@ class Runner:
             self.mtp.observe(plan)
         for c in plan.copies:
             c.done = self.prefix.copy(c.src, c.dst, c.n)
-            if self.mtp is not None:
-                self.mtp.copied(c.dst, c.src, c.n)
 
     # ---- a request starts ---------------------------------------------------------------------
 
@@ -134,15 +132,10 @@ class Runner:
         prefix, or what it keeps of its own), its sampler chain (``banned``: tokens it may not
         sample) fed the prompt, and, with backend sampling, the chain in the graph."""
         s, r, reuse = st.slot, st.request, st.reuse
-        n_held = len(s.cache_tokens)
         if reuse.source is not None and reuse.ready:
             n_reused = reuse.shared if self.prefix.copy(reuse.source, s, reuse.shared) else 0
-            if self.mtp is not None:
-                self.mtp.copied(s, reuse.source, n_reused)
         else:
             n_reused = self.prefix.keep(s, reuse.own)
-            if self.mtp is not None and n_reused < n_held:  # cut: the state before the cut is not kept
-                self.mtp.forget(s)
         sampler = SamplerChain(r.params, self.n_vocab, self.seed, force_chain=self.backend_sampling,
                                banned=banned, vocab=self.vocab, grammar=r.grammar)
         try:
@@ -194,11 +187,6 @@ class Runner:
         if not plan.rows or self.backend_sampling:
             return None
         return self.ctx.logits(plan.n_logits, self.n_vocab)
-
-    def accepted(self, slot: Slot, n: int) -> None:
-        """Verification kept ``n`` tokens of the slot's draft."""
-        if self.mtp is not None:
-            self.mtp.accepted(slot, n)
 
     def attach(self, slot: Slot) -> None:
         """Sample the slot in the graph when its chain can be (backend sampling)."""

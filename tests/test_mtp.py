@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.config import SpeculativeConfig
-from engine.mtp import pairs
+from engine.mtp import PairedKv, pairs
 from engine.synthetic_model import ModelShape, write_mtp_model
 from tests.conftest import RPC_PORT
 from tests.test_speculative import check_kv, run
@@ -85,6 +85,37 @@ def test_each_row_is_paired_with_the_state_of_the_position_before_it():
     # sequence 5: rows 0..3 (a pending state from the step before); sequence 2: rows 4..6 (none)
     got = pairs([(5, 0, 4), (2, 4, 3)], h, pending, zero)
     assert got.tolist() == [[-1, -1], [0, 1], [2, 3], [4, 5], [0, 0], [8, 9], [10, 11]]
+
+
+class Recorder:
+    """A context's sequence operations, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def seq_rm(self, *a) -> bool:
+        self.calls.append(("rm", *a))
+        return True
+
+    def seq_cp(self, *a) -> None:
+        self.calls.append(("cp", *a))
+
+
+def test_the_carried_state_follows_every_cut_and_copy_of_the_kv():
+    target, mtp = Recorder(), Recorder()
+    kv = PairedKv(target, mtp)
+    kv.h = np.arange(6, dtype=np.float32).reshape(6, 1)  # row k's state: [k]
+    kv.rows = {3: (2, 10, 4)}  # sequence 3: batch rows 2..5 at positions 10..13
+    kv.pending[3] = kv.h[5]
+    kv.seq_rm(3, 12)  # a rejected draft: the sequence ends at 11, batch row 3
+    assert kv.pending[3].tolist() == [3.0] and target.calls == mtp.calls == [("rm", 3, 12, -1)]
+    kv.seq_cp(3, 7)  # a whole stream: the same end
+    assert kv.pending[7].tolist() == [3.0]
+    kv.seq_cp(3, 8, 0, 11)  # a range up to position 10: batch row 2
+    assert kv.pending[8].tolist() == [2.0]
+    kv.seq_rm(8, 5)  # before what the last decode computed: no state at hand
+    kv.seq_rm(7, 0)  # dropped
+    assert 8 not in kv.pending and 7 not in kv.pending and 7 not in kv.rows
 
 
 def test_mtp_takes_no_model_and_a_model_without_mtp_layers_is_refused(make_engine, model_path):
