@@ -31,6 +31,14 @@ def _taskset(cpus: list[int] | None) -> list[str]:
     return ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
 
 
+def split_args(n_layer: int, n_peer: int, output_local: bool) -> list[str]:
+    """llama-server's arguments for ``n_peer`` layers on the RPC device (see the module's doc)."""
+    if output_local:
+        local = "|".join(str(i) for i in range(n_peer, n_layer))
+        return ["-ngl", "99", "-ot", rf"blk\.({local})\.=CPU,output=CPU"]
+    return ["-ngl", str(n_peer)]
+
+
 class LlamaServer:
     def __init__(self, model: Path, *, n_layer: int, n_peer: int, output_local: bool, slots: int, n_ctx: int,
                  port: int, rpc_port: int, peer_cpus: list[int] | None = None,
@@ -40,11 +48,7 @@ class LlamaServer:
             [*_taskset(peer_cpus), str(b / "rpc-server"), "--host", "127.0.0.1", "--port", str(rpc_port), "-t", "1"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait(lambda: port_listening(rpc_port), self.rpc, "rpc-server")
-        if output_local:
-            local = "|".join(str(i) for i in range(n_peer, n_layer))
-            split = ["-ngl", "99", "-ot", rf"blk\.({local})\.=CPU,output=CPU"]
-        else:
-            split = ["-ngl", str(n_peer)]
+        split = split_args(n_layer, n_peer, output_local)
         self.cmd = [*_taskset(local_cpus), str(b / "llama-server"), "-m", str(model), "--rpc", f"127.0.0.1:{rpc_port}",
                     *split, "-np", str(slots), "-c", str(n_ctx), "-t", "1", "--cache-ram", "0",
                     "--host", "127.0.0.1", "--port", str(port), "--no-webui", "--metrics", "-fa", flash_attn]

@@ -402,10 +402,11 @@ def wait_for_peer(timeout_s: float = 900) -> float:
     raise TimeoutError(f"the peer did not join in {timeout_s:.0f} s; the head's monitor log:\n{monitor}")
 
 
-def serve_config(topology: str = "layer_split", model_name: str | None = None) -> Path:
+def serve_config(topology: str = "layer_split", model_name: str | None = None, **overrides: object) -> Path:
     """``deployments/configs/two-sparks.yaml`` for this bed: the default model (CPU), small
     context and slots, one thread each, the HTTP proxy on the head's private address, and
-    llama.cpp's load log (layer placement) in the replicas' log files; in ``topology``."""
+    llama.cpp's load log (layer placement) in the replicas' log files; in ``topology``, with
+    ``overrides`` over the app's args."""
     cfg = yaml.safe_load(SERVE_TEMPLATE.read_text())
     cfg["http_options"]["host"] = HEAD.ip
     app = cfg["applications"][0]
@@ -414,6 +415,7 @@ def serve_config(topology: str = "layer_split", model_name: str | None = None) -
                 n_parallel=4, n_threads=1, chat_template="gemma", topology=topology)
     args["rpc"].pop("devices", None)  # the peer's first GPU, else CPU
     args["rpc"]["threads"] = 1
+    args.update(overrides)
     # Ray's worker setup hook, by its environment variable (Serve's runtime_env takes no
     # worker_process_setup_hook field)
     app["runtime_env"] = {"env_vars": {"__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR": "cluster.testbed.log_llama_placement"}}
@@ -438,26 +440,39 @@ def log_llama_placement() -> None:
     lg.addHandler(h)
 
 
-def put_model(node: Node, name: str | None = None) -> Path:
-    """The model file in the node's checkout (what the ray up config's file_mounts do on a
-    real pair), under ``name``."""
+def put_model(node: Node, name: str | None = None, source: Path = MODEL) -> Path:
+    """The model file (``source``) in the node's checkout (what the ray up config's file_mounts
+    do on a real pair), under ``name``: a hard link, the same pages as the source."""
     models = node.home / "pipeline-groups" / "models"
     models.mkdir(parents=True, exist_ok=True)
-    dst = models / (name or MODEL.name)
+    dst = models / (name or source.name)
     if not dst.exists():
         try:
-            os.link(MODEL, dst)
+            os.link(source, dst)
         except OSError:
-            shutil.copy2(MODEL, dst)
+            shutil.copy2(source, dst)
     return dst
 
 
-def serve_run(topology: str = "layer_split", model_name: str | None = None, log: str = "serve-run.log") -> subprocess.Popen:
+def serve_run(topology: str = "layer_split", model_name: str | None = None, log: str = "serve-run.log",
+              **overrides: object) -> subprocess.Popen:
     """``serve run`` of the bed's config on the head, in the background, as the README says."""
     put_model(HEAD, model_name)
-    cfg = serve_config(topology, model_name)
+    cfg = serve_config(topology, model_name, **overrides)
     return popen_on(HEAD, f"cd ~/pipeline-groups && source .venv/bin/activate && {AUTH} && "
                           f"exec serve run ~/{cfg.name}", STATE / log)
+
+
+def serve_stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C to a ``serve run`` of ``serve_run``: it shuts the app down."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
 
 def serve_shutdown() -> None:

@@ -53,7 +53,9 @@ class RpcArgs(BaseModel):
         default=None, description="Pin the stage's server process to these cores (Linux); None: no pinning."
     )
     cache_dir: str | None = Field(
-        default=None, description="Folder where the stage caches large tensors so a reconnect does not resend them."
+        default="~/.cache/pipeline-groups/rpc",
+        description="Folder on the peer where the stage caches the weights it receives (tensors over 10 MB, by "
+        "hash), so that a restart or a reload sends their hashes instead of their bytes; null: no cache.",
     )
     allow_all_interfaces: bool = Field(
         default=False,

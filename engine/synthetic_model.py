@@ -6,6 +6,13 @@ requested size) and a chat template. Every shape is a parameter. The text it gen
 gibberish; the output layer is scaled so that the logits are peaked, which keeps greedy
 decoding stable against the last-bit differences between batch shapes.
 
+With ``n_expert`` set, the feed-forward blocks are mixtures of experts (the llama
+architecture's, as Mixtral's GGUFs): a model of several GB whose tokens each touch only
+``n_expert_used`` experts, the shape of the big MoE models users serve on a pair, at a cost
+per token these CPUs can run. ``ftype="q4_k"`` writes every matrix whose rows are whole
+256-weight blocks as random Q4_K blocks (scaled to the same spread as the others), the rest as
+Q8_0: gigabytes in seconds, no quantiser run.
+
 ``write_mtp_model``: a model with a multi-token-prediction (MTP, "nextn") layer, of the
 ``hy_v3`` architecture, the simplest one whose MTP graph the vendored llama.cpp implements
 with dense layers and a plain KV cache. Its head either agrees with the model by
@@ -56,9 +63,18 @@ class ModelShape:
     n_ff: int = 512
     n_vocab: int = 4096
     n_ctx_train: int = 4096
-    ftype: str = "f16"  # "f16" or "q8_0"
+    ftype: str = "f16"  # "f16", "q8_0" or "q4_k"
     seed: int = 1234
     fim: bool = False  # fill-in-the-middle tokens (prefix, suffix, middle, repo, file separator)
+    n_expert: int = 0  # > 0: every feed-forward block is a mixture of this many experts of n_ff
+    n_expert_used: int = 0  # experts per token
+
+    def size_bytes(self) -> int:
+        """About what the GGUF holds (the weights), from the shape alone."""
+        per_weight = {"f16": 2.0, "q8_0": 34 / 32, "q4_k": 144 / 256}[self.ftype]
+        e, kv = self.n_embd, self.n_embd // self.n_head * self.n_head_kv
+        ffn = 3 * e * self.n_ff * max(1, self.n_expert)
+        return int(per_weight * (self.n_layer * (2 * e * e + 2 * e * kv + ffn) + 2 * self.n_vocab * e))
 
 
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|repo_name|>", "<|file_sep|>")
@@ -150,8 +166,10 @@ def write_model(path: str | os.PathLike[str], shape: ModelShape = ModelShape()) 
 
     if shape.n_embd % shape.n_head or shape.n_head % shape.n_head_kv:
         raise ValueError("n_embd must divide by n_head and n_head by n_head_kv")
-    if shape.ftype not in ("f16", "q8_0"):
-        raise ValueError("ftype must be f16 or q8_0")
+    if shape.ftype not in ("f16", "q8_0", "q4_k"):
+        raise ValueError("ftype must be f16, q8_0 or q4_k")
+    if shape.n_expert and not 0 < shape.n_expert_used <= shape.n_expert:
+        raise ValueError("n_expert_used must be between 1 and n_expert")
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
@@ -171,15 +189,23 @@ def write_model(path: str | os.PathLike[str], shape: ModelShape = ModelShape()) 
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(shape.n_vocab)
-    ftype = gguf.LlamaFileType.MOSTLY_F16 if shape.ftype == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0
-    w.add_file_type(ftype)
+    if shape.n_expert:
+        w.add_expert_count(shape.n_expert)
+        w.add_expert_used_count(shape.n_expert_used)
+    w.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                     "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_M}[shape.ftype])
 
     write_tokenizer(w, shape)
 
     qtype = gguf.GGMLQuantizationType.F16 if shape.ftype == "f16" else gguf.GGMLQuantizationType.Q8_0
 
-    def matrix(name: str, rows: int, cols: int, scale: float) -> None:
-        data = (rng.standard_normal((rows, cols), dtype=np.float32) * scale).astype(np.float32)
+    def matrix(name: str, rows: int, cols: int, scale: float, n: int = 0) -> None:
+        """A ``rows`` x ``cols`` matrix of N(0, scale) weights, or ``n`` of them (experts)."""
+        if shape.ftype == "q4_k" and cols % 256 == 0:
+            w.add_tensor(name, random_q4_k(rng, (n, rows, cols) if n else (rows, cols), scale),
+                         raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+            return
+        data = (rng.standard_normal((n, rows, cols) if n else (rows, cols), dtype=np.float32) * scale)
         if qtype == gguf.GGMLQuantizationType.Q8_0 and cols % 32 == 0:
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
@@ -197,6 +223,13 @@ def write_model(path: str | os.PathLike[str], shape: ModelShape = ModelShape()) 
         matrix(f"blk.{i}.attn_v.weight", n_embd_kv, e, 1.0 / np.sqrt(e))
         matrix(f"blk.{i}.attn_output.weight", e, e, 0.5 / np.sqrt(e))
         norm(f"blk.{i}.ffn_norm.weight")
+        if shape.n_expert:
+            x = shape.n_expert
+            w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", rng.standard_normal((x, e), dtype=np.float32))
+            matrix(f"blk.{i}.ffn_gate_exps.weight", shape.n_ff, e, 1.0 / np.sqrt(e), n=x)
+            matrix(f"blk.{i}.ffn_up_exps.weight", shape.n_ff, e, 1.0 / np.sqrt(e), n=x)
+            matrix(f"blk.{i}.ffn_down_exps.weight", e, shape.n_ff, 0.5 / np.sqrt(shape.n_ff), n=x)
+            continue
         matrix(f"blk.{i}.ffn_gate.weight", shape.n_ff, e, 1.0 / np.sqrt(e))
         matrix(f"blk.{i}.ffn_up.weight", shape.n_ff, e, 1.0 / np.sqrt(e))
         matrix(f"blk.{i}.ffn_down.weight", e, shape.n_ff, 0.5 / np.sqrt(shape.n_ff))
@@ -205,6 +238,20 @@ def write_model(path: str | os.PathLike[str], shape: ModelShape = ModelShape()) 
     matrix("output.weight", shape.n_vocab, e, 8.0 / np.sqrt(e))
 
     return finish(w, tmp, out)
+
+
+def random_q4_k(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.ndarray:
+    """Q4_K blocks (256 weights in 144 bytes: fp16 d and dmin, twelve bytes of 6-bit scales and
+    mins, 128 bytes of 4-bit quants) of random scales and quants, as the byte array GGUFWriter
+    takes for ``shape`` (the last axis in whole blocks). A weight is d * scale * q - dmin * min:
+    with uniform 6-bit scales and 4-bit quants, dmin = 7.5 d centres it and d = std / 254 gives
+    it a standard deviation of ``std``."""
+    *outer, cols = shape
+    blocks = rng.integers(0, 256, size=(*outer, cols // 256, 144), dtype=np.uint8)
+    d = np.float16(std / 254.0)
+    blocks[..., 0:2] = np.frombuffer(d.tobytes(), np.uint8)
+    blocks[..., 2:4] = np.frombuffer(np.float16(7.5 * float(d)).tobytes(), np.uint8)
+    return blocks.reshape(*outer, cols // 256 * 144)
 
 
 def write_mtp_model(path: str | os.PathLike[str], shape: ModelShape = ModelShape(), *, head: str = "agree",
@@ -289,13 +336,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="models/synthetic.gguf")
     p.add_argument("--if-absent", action="store_true", help="do nothing if the file exists")
     d = ModelShape()
-    for field in ("n_layer", "n_embd", "n_head", "n_head_kv", "n_ff", "n_vocab", "n_ctx_train", "seed"):
+    ints = ("n_layer", "n_embd", "n_head", "n_head_kv", "n_ff", "n_vocab", "n_ctx_train", "seed", "n_expert",
+            "n_expert_used")
+    for field in ints:
         p.add_argument("--" + field.replace("_", "-"), type=int, default=getattr(d, field))
-    p.add_argument("--ftype", choices=["f16", "q8_0"], default=d.ftype)
+    p.add_argument("--ftype", choices=["f16", "q8_0", "q4_k"], default=d.ftype)
     a = p.parse_args(argv)
     if a.if_absent and Path(a.out).exists():
         return
-    shape = ModelShape(**{k: getattr(a, k) for k in ModelShape.__dataclass_fields__})
+    shape = ModelShape(ftype=a.ftype, **{k: getattr(a, k) for k in ints})
     write_model(a.out, shape)
     print(a.out)
 

@@ -193,3 +193,37 @@ def test_a_shared_prefix_is_copied_on_the_peer_not_over_the_link(make_engine):
         link.close()
         proc.kill()
         proc.wait()
+
+
+def test_a_warm_tensor_cache_sends_hashes_not_weights(tmp_path):
+    """With the stage's tensor cache (``rpc.cache_dir``), a second load of the same model sends
+    each large weight's hash instead of its bytes: the first load carries the peer's experts
+    (three tensors of 12.6 MB), the second a small part of them; the text is the same."""
+    from deployments.stage import server as rpc_server
+    from engine import Engine, EngineConfig
+    from engine.synthetic_model import ModelShape, write_model
+
+    shape = ModelShape(n_layer=2, n_embd=512, n_head=4, n_head_kv=2, n_ff=1536, n_vocab=1024, n_expert=8,
+                       n_expert_used=2, seed=11)
+    model = write_model(tmp_path / "moe.gguf", shape)
+    experts = 3 * 8 * 1536 * 512 * 2  # the peer's layer: gate, up and down experts, f16
+    cache = tmp_path / "cache"
+    port = RPC_PORT + 8
+    proc = rpc_server.launch("127.0.0.1", port, threads=1, cache_dir=rpc_server.private_dir(str(cache)))
+    link = CountingLink(port)
+    sent, texts = [], []
+    try:
+        for _ in range(2):
+            before = link.sent
+            e = Engine(EngineConfig(model=str(model), n_parallel=1, n_ctx=512, n_threads=1, peer_layers=1,
+                                    rpc_endpoints=[f"127.0.0.1:{link.port}"]))
+            texts.append(e.generate([1, 300, 301, 302], P).text)
+            e.close()
+            sent.append(link.sent - before)
+        assert sent[0] > experts, sent
+        assert sent[1] < experts / 10, sent
+        assert len(list(cache.iterdir())) == 3 and texts[0] == texts[1]
+    finally:
+        link.close()
+        proc.kill()
+        proc.wait()

@@ -186,17 +186,6 @@ def test_killing_the_peer_stage_recovers(bed):
 SERVING: dict[str, subprocess.Popen] = {}  # the `serve run` now running, when a test replaced the bed's
 
 
-def stop_serving(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C to `serve run`: it shuts the app down
-    try:
-        proc.wait(90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-
-
 def answered_by(n: int) -> list[str]:
     """The engine replicas that answered ``n`` completions sent from the head."""
     code = (
@@ -210,7 +199,7 @@ def answered_by(n: int) -> list[str]:
 
 
 def test_replicas_are_refused_while_the_peer_lacks_the_model(bed):
-    stop_serving(bed)
+    tb.serve_stop(bed)
     tb.serve_shutdown()
     proc = tb.serve_run("replicas", model_name="copy-on-the-head-only.gguf", log="serve-run-refused.log")
     # `serve run` of a config submits it and stays; the application's build fails on the
@@ -226,7 +215,7 @@ def test_replicas_are_refused_while_the_peer_lacks_the_model(bed):
                         check=False).stdout
             status = " ".join(out.split())  # YAML folds long messages over lines
     finally:
-        stop_serving(proc)
+        tb.serve_stop(proc)
     assert "DEPLOY_FAILED" in status and "copy-on-the-head-only.gguf" in status, status
 
 
@@ -246,7 +235,7 @@ def test_serve_run_in_the_replicas_topology_answers_from_both_nodes(bed):
 
 
 def test_ray_down_stops_both_nodes(bed):
-    stop_serving(SERVING.get("proc", bed))
+    tb.serve_stop(SERVING.get("proc", bed))
     FIGURES["ray_down_s"] = round(tb.ray_down(), 1)
     deadline = time.monotonic() + 30
     left: dict[str, list[int]] = {}
