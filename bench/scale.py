@@ -33,9 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
-import mmap
 import os
 import re
 import shlex
@@ -47,6 +45,7 @@ import time
 from pathlib import Path
 
 from bench.run import ROOT
+from engine.page_cache import resident_bytes
 from engine.synthetic_model import ModelShape
 
 SHAPE = ModelShape(n_layer=16, n_embd=1024, n_head=8, n_head_kv=2, n_ff=1024, n_vocab=8192, n_ctx_train=8192,
@@ -162,25 +161,6 @@ def rss(pid: int) -> dict:
     return {"rss_MB": mb("VmRSS"), "anon_MB": mb("RssAnon"), "file_MB": mb("RssFile")}
 
 
-def resident_in_page_cache(path: Path) -> int:
-    """Bytes of ``path`` in the page cache (mincore over a mapping of it)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    size, page = path.stat().st_size, mmap.PAGESIZE
-    with open(path, "rb") as fh:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fh.fileno(), 0)
-        try:
-            vec = ctypes.create_string_buffer((size + page - 1) // page)
-            if libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), "mincore")
-            return sum(b & 1 for b in vec.raw) * page
-        finally:
-            libc.munmap(addr, size)
-
-
 def du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
 
@@ -188,7 +168,7 @@ def du(path: Path) -> int:
 def memory(tb, local_pid: int, peer_pid: int, cache: Path) -> dict:  # noqa: ANN001
     mb = lambda n: round(n / 1e6)  # noqa: E731
     return {"local": rss(local_pid), "peer": rss(peer_pid), "model_MB": mb(MODEL.stat().st_size),
-            "gguf_in_page_cache_MB": mb(resident_in_page_cache(MODEL)), "peer_tensor_cache_on_disk_MB": mb(du(cache))}
+            "gguf_in_page_cache_MB": mb(resident_bytes(str(MODEL))), "peer_tensor_cache_on_disk_MB": mb(du(cache))}
 
 
 # ---------------------------------------------------------------- arms

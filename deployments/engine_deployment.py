@@ -109,6 +109,7 @@ class EngineDeployment:
         self.out = EngineStreams(self.metrics.observe, self.engine.cancel)
         self.metrics.set_stage_up(True)
         self.metrics.set_topology(self.topology["topology"])
+        self.metrics.set_load(self.engine.model.load_s, self.engine.model.released_bytes)
         self._last_busy: tuple[float, float, float | None] | None = None
         self._last_pipeline: tuple[float, float, float | None] | None = None
         self._rate_samples: deque[tuple[float, float]] = deque(maxlen=1024)

@@ -97,6 +97,8 @@ class Engine:
                 load_mtp=mtp,
             )
             built.callback(self.model.close)
+            log.info("model loaded in %.1f s on %s; %.0f MB of its pages released on this node (the layers "
+                     "other devices hold)", self.model.load_s, self.devices, self.model.released_bytes / 1e6)
             if mtp:
                 require_mtp(self.model)
             self.draft_model = None

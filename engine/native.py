@@ -13,9 +13,11 @@ import ctypes
 import logging
 import os
 import pathlib
+import re
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -107,6 +109,7 @@ def init_backend(quiet: bool = True) -> None:
 
 _log_cb = None  # keeps the ctypes callback alive
 _capture = threading.local()
+_PLACED = re.compile(r"layer +(\d+) assigned to device (\S+?),")
 
 
 _stderr_lock = threading.Lock()
@@ -152,7 +155,11 @@ def _install_log_callback() -> None:
                     lines.append(msg)
                 native_log.error(msg)
             return
-        native_log.debug(text.decode("utf-8", "replace").rstrip())
+        msg = text.decode("utf-8", "replace").rstrip()
+        placed = getattr(_capture, "placement", None)
+        if placed is not None and (m := _PLACED.search(msg)):
+            placed[int(m.group(1))] = m.group(2)
+        native_log.debug(msg)
 
     _log_cb = _cb
     llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
@@ -274,9 +281,18 @@ class Model:
             params.tensor_split = ts
         if not pathlib.Path(path).is_file():
             raise FileNotFoundError(f"model file not found: {path}")
-        self.ptr = llama_cpp.llama_model_load_from_file(path.encode(), params)
+        t0 = time.perf_counter()
+        _capture.placement = placement = {}
+        try:
+            self.ptr = llama_cpp.llama_model_load_from_file(path.encode(), params)
+        finally:
+            _capture.placement = None
         if not self.ptr:
             raise NativeError(f"failed to load model {path}")
+        self.load_s = time.perf_counter() - t0
+        # llama.cpp's own record of where each layer went (the last one is the output layer)
+        self.layer_devices: dict[int, str] = placement
+        self.released_bytes = self._release_off_host_pages()
         self.vocab = llama_cpp.llama_model_get_vocab(self.ptr)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.ptr)
@@ -289,6 +305,23 @@ class Model:
         self.recurrent = bool(llama_cpp.llama_model_is_recurrent(self.ptr) or llama_cpp.llama_model_is_hybrid(self.ptr))
         self.eos = llama_cpp.llama_vocab_eos(self.vocab)
         self.size_bytes = llama_cpp.llama_model_size(self.ptr)
+
+    def _release_off_host_pages(self) -> int:
+        """The GGUF's pages of the layers held in another device's memory (the peer's, a
+        GPU's), dropped from this process and the page cache (engine/page_cache.py)."""
+        if not self.layer_devices:
+            return 0
+        from engine.page_cache import release
+
+        out = max(self.layer_devices)
+        off = [il for il, dev in self.layer_devices.items() if dev != "CPU"]
+        prefixes = tuple(f"blk.{il}." for il in off if il != out)
+        outputs = ("output.", "output_norm.") if out in off else ()
+        try:
+            return release(self.path, prefixes + outputs)
+        except Exception as e:  # only memory is at stake: never fail a load over it
+            log.warning("could not release the pages of the off-host layers: %s", e)
+            return 0
 
     def meta(self) -> dict[str, int]:
         """llama-server's ``/v1/models`` meta of the model."""

@@ -57,6 +57,8 @@ class EngineMetrics:
                               [*base, "topology"], registry=r)
         self.stage_up = Gauge(P + "rpc_stage_up", "1 while the engine is connected to its RPC stage (or has none).", base, registry=r)
         self.stage_rss = Gauge(P + "stage_resident_memory_bytes", "Resident memory of a stage's process (engine or RPC server).", [*base, "stage"], registry=r)
+        self.load_seconds = Gauge(P + "model_load_seconds", "Seconds the engine took to load the model (both halves, the peer's over the link).", base, registry=r)
+        self.released_bytes = Gauge(P + "model_pages_released_bytes", "Bytes of the GGUF's pages dropped from the local node after the load: the layers held by the peer or a GPU.", base, registry=r)
         self._groups = _GroupCollector(model, replica)
         r.register(self._groups)
         r.register(_LlamaServerNames(self))
@@ -103,6 +105,10 @@ class EngineMetrics:
 
     def set_stage_rss(self, stage: str, rss: int) -> None:
         self.stage_rss.labels(**self._b, stage=stage).set(rss)
+
+    def set_load(self, seconds: float, released: int) -> None:
+        self.load_seconds.labels(**self._b).set(seconds)
+        self.released_bytes.labels(**self._b).set(released)
 
     def set_topology(self, topology: str) -> None:
         """The application's shape (deployments/topology.py): 1 on its label."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -195,17 +196,51 @@ def test_a_shared_prefix_is_copied_on_the_peer_not_over_the_link(make_engine):
         proc.wait()
 
 
+def moe_model(tmp_path):
+    """Two layers of 8 f16 experts: each expert tensor 12.6 MB, over the RPC hash threshold."""
+    from engine.synthetic_model import ModelShape, write_model
+
+    shape = ModelShape(n_layer=2, n_embd=512, n_head=4, n_head_kv=2, n_ff=1536, n_vocab=1024, n_expert=8,
+                       n_expert_used=2, seed=11)
+    path = write_model(tmp_path / "moe.gguf", shape)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)  # written back, as a GGUF on disk is: the kernel drops only clean pages
+    os.close(fd)
+    return path
+
+
+def test_the_peers_weights_leave_the_local_page_cache(tmp_path, rpc_endpoint):
+    """Once sent, the peer's layers are no longer held on the local node: not in the engine's
+    mappings, not in the page cache; the local layer's pages stay; the text is unchanged."""
+    from engine import Engine, EngineConfig
+    from engine.page_cache import resident_bytes, tensor_ranges
+
+    model = str(moe_model(tmp_path))
+    cfg = dict(model=model, n_parallel=1, n_ctx=512, n_threads=1)
+    alone = Engine(EngineConfig(**cfg))
+    want = alone.generate([1, 300, 301, 302], P).text
+    alone.close()
+    e = Engine(EngineConfig(**cfg, peer_layers=1, rpc_endpoints=[rpc_endpoint]))
+    try:
+        peer, local = tensor_ranges(model, ("blk.0.",)), tensor_ranges(model, ("blk.1.",))
+        assert e.model.layer_devices[0].startswith("RPC") and e.model.layer_devices[1] == "CPU"
+        assert e.model.released_bytes > 3 * 8 * 1536 * 512 * 2 * 0.99
+        assert e.generate([1, 300, 301, 302], P).text == want
+        # what stays is the pages a peer tensor shares with a neighbour (norms of 2 KB)
+        assert resident_bytes(model, peer) < sum(b - a for a, b in peer) / 100, resident_bytes(model, peer)
+        assert resident_bytes(model, local) > sum(b - a for a, b in local) * 0.9
+    finally:
+        e.close()
+
+
 def test_a_warm_tensor_cache_sends_hashes_not_weights(tmp_path):
     """With the stage's tensor cache (``rpc.cache_dir``), a second load of the same model sends
     each large weight's hash instead of its bytes: the first load carries the peer's experts
     (three tensors of 12.6 MB), the second a small part of them; the text is the same."""
     from deployments.stage import server as rpc_server
     from engine import Engine, EngineConfig
-    from engine.synthetic_model import ModelShape, write_model
 
-    shape = ModelShape(n_layer=2, n_embd=512, n_head=4, n_head_kv=2, n_ff=1536, n_vocab=1024, n_expert=8,
-                       n_expert_used=2, seed=11)
-    model = write_model(tmp_path / "moe.gguf", shape)
+    model = moe_model(tmp_path)
     experts = 3 * 8 * 1536 * 512 * 2  # the peer's layer: gate, up and down experts, f16
     cache = tmp_path / "cache"
     port = RPC_PORT + 8

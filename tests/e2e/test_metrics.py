@@ -64,6 +64,9 @@ def test_metrics_count_exactly_what_was_served(deploy):
     assert phases >= {"batch", "decode", "sync", "sample", "detok", "stop", "send"}
     assert total(after, "pgroups_rpc_stage_up") == 1
     assert total(after, "pgroups_num_requests_running") == 0
+    # the test app splits the synthetic model: the peer's layers' pages left the local node
+    assert total(after, "pgroups_model_load_seconds") > 0
+    assert total(after, "pgroups_model_pages_released_bytes") > 0
 
 
 def test_every_series_the_dashboard_queries_is_exported(deploy):
