@@ -19,7 +19,8 @@ Figures, in this order:
 - **memory**: the engine replica's and the stage's RSS (anonymous, file), the GGUF's pages in
   the page cache and the peer's tensor cache on disk, against the model's size;
 - **warm start**: ``serve shutdown``, then ``serve run`` with 2 groups (the cache full), and
-  decode and TTFT again;
+  decode and TTFT again; then once more with ``release_offloaded_pages: false`` (the peer's
+  pages left in the local page cache, as llama.cpp leaves them), its start and memory;
 - **llama-server + rpc-server -c** on the same hosts, model and split (its order: every layer on
   the peer, the last 8 and the output layer moved back with ``-ot``): cold start, decode and
   TTFT, memory, warm start, and its peer killed under load (llama-server exits; nothing restarts
@@ -207,6 +208,17 @@ def killed_under_load(tb, base: str, kill) -> dict:  # noqa: ANN001
             "streams_failed": streams.get("errors"), "streams": streams.get("requests")}
 
 
+def engine_load(tb, base: str) -> dict:  # noqa: ANN001
+    """The engine's own load time and the pages it released, from its metrics."""
+    text = tb._sh(in_ns(tb.HEAD, ["curl", "-s", "--max-time", "10", base + "/metrics"]), check=False).stdout
+    got = {}
+    for name, key in (("pgroups_model_load_seconds", "model_load_s"), ("pgroups_model_pages_released_bytes",
+                                                                        "released_bytes")):
+        m = re.search(rf"^{name}{{[^}}]*}} ([0-9.e+]+)$", text, re.M)
+        got[key] = round(float(m.group(1)), 1) if m else None
+    return got
+
+
 def engine_arms(tb, args) -> dict:  # noqa: ANN001
     base = f"http://{tb.HEAD.ip}:{tb.HTTP_PORT}"
     cache = tb.PEER.home / ".cache" / "pipeline-groups" / "rpc"
@@ -214,13 +226,14 @@ def engine_arms(tb, args) -> dict:  # noqa: ANN001
     tb.put_model(tb.HEAD, MODEL.name, source=MODEL)
     out: dict = {}
 
-    def start(groups: int, log: str) -> tuple[subprocess.Popen, dict]:
+    def start(groups: int, log: str, **extra: object) -> tuple[subprocess.Popen, dict]:
         t0 = time.monotonic()
-        proc = tb.serve_run("layer_split", MODEL.name, log=log, pipeline_groups=groups, **common)
+        proc = tb.serve_run("layer_split", MODEL.name, log=log, pipeline_groups=groups, **common, **extra)
         healthy = tb.wait_healthy(900, proc, log)
         first = run_client(tb, base, "--prompt", "16", "--clients", "1", "--requests", "1", "--gen", "1")
-        return proc, {"to_healthy_s": round(healthy, 1), "to_first_token_s": round(time.monotonic() - t0, 1),
-                      "first": first, "rpc_bytes": rpc_bytes(tb, tb.RPC_PORT)}
+        took = time.monotonic() - t0
+        return proc, {"to_healthy_s": round(healthy, 1), "to_first_token_s": round(took, 1), "first": first,
+                      "rpc_bytes": rpc_bytes(tb, tb.RPC_PORT), **engine_load(tb, base)}
 
     shutil.rmtree(cache, ignore_errors=True)
     proc, out["cold_start"] = start(1, "serve-run-scale-1.log")
@@ -237,14 +250,19 @@ def engine_arms(tb, args) -> dict:  # noqa: ANN001
         return kill
 
     out["peer_killed"] = killed_under_load(tb, base, kill_first(stage))
-    out["peer_killed"]["rpc_bytes_after"] = rpc_bytes(tb, tb.RPC_PORT)
+    out["peer_killed"].update(rpc_bytes_after=rpc_bytes(tb, tb.RPC_PORT), **engine_load(tb, base))
     out["replica_killed"] = killed_under_load(tb, base, kill_first(replica))
-    out["replica_killed"]["rpc_bytes_after"] = rpc_bytes(tb, tb.RPC_PORT)
+    out["replica_killed"].update(rpc_bytes_after=rpc_bytes(tb, tb.RPC_PORT), **engine_load(tb, base))
     tb.serve_stop(proc)
     tb.serve_shutdown()
     proc, out["warm_start"] = start(2, "serve-run-scale-2.log")
     out["2 groups"] = load_figures(tb, base)
     out["memory_2_groups"] = memory(tb, replica()[0], stage()[0], cache)
+    tb.serve_stop(proc)
+    tb.serve_shutdown()
+    # the same warm start, the peer's pages kept cached on the local node (as llama.cpp leaves them)
+    proc, out["warm_start_pages_kept"] = start(2, "serve-run-scale-3.log", release_offloaded_pages=False)
+    out["memory_pages_kept"] = memory(tb, replica()[0], stage()[0], cache)
     tb.serve_stop(proc)
     tb.serve_shutdown()
     return out
@@ -340,7 +358,9 @@ def report(res: dict) -> str:
         if not s:
             return "-"
         rate = s["rpc_bytes"] / max(s["to_healthy_s"], 1e-9) / 1e6
-        return f"{s['to_first_token_s']} s to the first token; {gb(s['rpc_bytes'])} over RPC ({rate:.0f} MB/s over the load)"
+        load = f", the engine's load {s['model_load_s']} s" if s.get("model_load_s") else ""
+        return (f"{s['to_first_token_s']} s to the first token{load}; {gb(s['rpc_bytes'])} over RPC "
+                f"({rate:.0f} MB/s over the start)")
 
     rows.append(f"| cold start (peer cache empty) | {start(e['cold_start'])} | {start(ls.get('cold_start', {}))} |")
     rows.append(f"| warm start (cache full) | {start(e['warm_start'])} (2 groups) | {start(ls.get('warm_start', {}))} |")
@@ -365,6 +385,8 @@ def report(res: dict) -> str:
                 f"cache; peer's tensor cache {m['peer_tensor_cache_on_disk_MB']} MB on disk")
     rows.append(f"| memory, 1 group | {mem(e['memory'])} | {mem(ls.get('memory', {}))} |")
     rows.append(f"| memory, 2 groups | {mem(e['memory_2_groups'])} | |")
+    rows.append(f"| warm start, peer's pages kept cached | {start(e['warm_start_pages_kept'])} (2 groups) | |")
+    rows.append(f"| memory, peer's pages kept cached | {mem(e['memory_pages_kept'])} | |")
     head = (f"Model {res['model']['MB']} MB ({res['model']['shape']}), {N_PEER} of {SHAPE.n_layer} layers on the peer; "
             f"link shaped to {res['rate']}, raw TCP {raw} MB/s; {res['machine']}.")
     return head + "\n\n" + "\n".join(rows) + "\n"

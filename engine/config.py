@@ -132,6 +132,12 @@ class EngineConfig(BaseModel):
         description="Let the local CPU device repack weights for its faster kernels. An RPC stage "
         "never does, so with it off the local layers round as the peer's do.",
     )
+    release_offloaded_pages: bool = Field(
+        default=True,
+        description="After the load, drop the GGUF's pages of the layers another device holds (the "
+        "peer's, a local GPU's) from this node's memory and page cache. Off: they stay cached, so a "
+        "restart hashes the peer's half for the tensor cache without reading it from disk again.",
+    )
     swa_full: bool = Field(
         default=False,
         description="Keep the full context in the KV of sliding-window layers [--swa-full]. Off (as "

@@ -95,6 +95,7 @@ class Engine:
                 tensor_split=layer_split(config, self.devices),
                 repack=config.repack,
                 load_mtp=mtp,
+                release_offloaded=config.release_offloaded_pages,
             )
             built.callback(self.model.close)
             log.info("model loaded in %.1f s on %s; %.0f MB of its pages released on this node (the layers "

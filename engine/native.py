@@ -257,6 +257,7 @@ class Model:
         tensor_split: list[float] | None = None,
         repack: bool = True,
         load_mtp: bool = False,
+        release_offloaded: bool = True,
     ) -> None:
         """``load_mtp``: load the model's multi-token-prediction layers too (they are skipped
         otherwise, and an MTP context of a model loaded without them aborts the process)."""
@@ -292,7 +293,7 @@ class Model:
         self.load_s = time.perf_counter() - t0
         # llama.cpp's own record of where each layer went (the last one is the output layer)
         self.layer_devices: dict[int, str] = placement
-        self.released_bytes = self._release_off_host_pages()
+        self.released_bytes = self._release_off_host_pages() if release_offloaded else 0
         self.vocab = llama_cpp.llama_model_get_vocab(self.ptr)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.ptr)
