@@ -202,7 +202,8 @@ def main(out: Path, only: str | None = None) -> list[dict]:
         finally:
             stack.close()
     os.environ.pop("RAY_SERVE_ENABLE_HA_PROXY", None)
-    meta = {"machine": f"{os.cpu_count()} cores, {os.uname().machine}", "cpu": cpu.describe(), "model": MODEL.name,
+    meta = {"machine": f"{os.cpu_count()} cores, {os.uname().machine}", "cores": os.cpu_count(), "cpu": cpu.describe(),
+            "model": MODEL.name,
             "shape": SHAPE.__dict__, "split": f"{N_PEER} layers on the peer, {SHAPE.n_layer - N_PEER} and the output local",
             "n_prompt": N_PROMPT, "n_gen": N_GEN, "slots": SLOTS, "wall_s": round(time.monotonic() - t0, 1),
             "command": "make bench" + (f" BENCH_ARGS='--only \"{only}\"'" if only else "")}

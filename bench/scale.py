@@ -19,8 +19,9 @@ Figures, in this order:
 - **memory**: the engine replica's and the stage's RSS (anonymous, file), the GGUF's pages in
   the page cache and the peer's tensor cache on disk, against the model's size;
 - **warm start**: ``serve shutdown``, then ``serve run`` with 2 groups (the cache full), and
-  decode and TTFT again; then once more with ``release_offloaded_pages: false`` (the peer's
-  pages left in the local page cache, as llama.cpp leaves them), its start and memory;
+  decode and TTFT again; then once more with 1 group, ``release_offloaded_pages: false`` (the
+  peer's pages left in the local page cache, as llama.cpp leaves them: its start and memory)
+  and ``prefill_stall: null`` (prompts in whole batches, as llama-server: decode and TTFT);
 - **llama-server + rpc-server -c** on the same hosts, model and split (its order: every layer on
   the peer, the last 8 and the output layer moved back with ``-ot``): cold start, decode and
   TTFT, memory, warm start, and its peer killed under load (llama-server exits; nothing restarts
@@ -260,9 +261,12 @@ def engine_arms(tb, args) -> dict:  # noqa: ANN001
     out["memory_2_groups"] = memory(tb, replica()[0], stage()[0], cache)
     tb.serve_stop(proc)
     tb.serve_shutdown()
-    # the same warm start, the peer's pages kept cached on the local node (as llama.cpp leaves them)
-    proc, out["warm_start_pages_kept"] = start(2, "serve-run-scale-3.log", release_offloaded_pages=False)
+    # a warm start with the peer's pages kept cached on the local node (as llama.cpp leaves them),
+    # and the loads with every prompt in whole batches (llama-server's behaviour: no chunked prefill)
+    proc, out["warm_start_pages_kept"] = start(1, "serve-run-scale-3.log", release_offloaded_pages=False,
+                                               prefill_stall=None)
     out["memory_pages_kept"] = memory(tb, replica()[0], stage()[0], cache)
+    out["1 group, whole batches"] = load_figures(tb, base)
     tb.serve_stop(proc)
     tb.serve_shutdown()
     return out
@@ -369,6 +373,7 @@ def report(res: dict) -> str:
             return f"{f['tok_s']} tok/s, TTFT {f['ttft_median_s']} s" if f else "-"
         rows.append(f"| {name}, 1 group | {cell(e['1 group'][key])} | {cell(ls.get('1 context', {}).get(key, {}))} |")
         rows.append(f"| {name}, 2 groups | {cell(e['2 groups'][key])} | |")
+        rows.append(f"| {name}, 1 group, whole batches | {cell(e['1 group, whole batches'][key])} | |")
     pk, rk, lpk = e["peer_killed"], e["replica_killed"], ls.get("peer_killed", {})
     rows.append(f"| peer killed under load | serving again in {pk['serving_again_s']} s; {pk['streams_failed']} of "
                 f"{pk['streams']} streams failed; {gb(pk['rpc_bytes_after'])} over RPC after | llama-server exit "
@@ -385,7 +390,7 @@ def report(res: dict) -> str:
                 f"cache; peer's tensor cache {m['peer_tensor_cache_on_disk_MB']} MB on disk")
     rows.append(f"| memory, 1 group | {mem(e['memory'])} | {mem(ls.get('memory', {}))} |")
     rows.append(f"| memory, 2 groups | {mem(e['memory_2_groups'])} | |")
-    rows.append(f"| warm start, peer's pages kept cached | {start(e['warm_start_pages_kept'])} (2 groups) | |")
+    rows.append(f"| warm start, peer's pages kept cached | {start(e['warm_start_pages_kept'])} | |")
     rows.append(f"| memory, peer's pages kept cached | {mem(e['memory_pages_kept'])} | |")
     head = (f"Model {res['model']['MB']} MB ({res['model']['shape']}), {N_PEER} of {SHAPE.n_layer} layers on the peer; "
             f"link shaped to {res['rate']}, raw TCP {raw} MB/s; {res['machine']}.")
