@@ -11,8 +11,16 @@ evaluates a large chunk for little more than a decode step, a CPU pays per token
 gets at least ``chunk_min`` tokens a step, so it always progresses; with nothing decoding it
 gets the whole batch.
 
+Chunks do not save the decoding streams any time in all (the prompt's tokens cost the stages
+the same, cut or not): they spread the wait over many steps, so no stream stalls for a whole
+chunk, and the prompt pays for it with its first token, later by the extra steps. That is
+worth it while the streams decoding outnumber the prompts waiting (one long prompt beside
+many streams); when they do not (a burst of prompts, the first of which has begun to
+decode), every prompt goes whole, as llama-server does.
+
 One budget is shared by the engine's groups (they run the same model on the same stages);
-each group writes its own step times, and reads the others' count of generating rows.
+each group writes its own step times and its counts of generating rows and of prompts
+waiting, and reads the others'.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ class PrefillBudget:
         self.stall = stall  # None: off (llama-server's behaviour)
         self.chunk_min = max(1, chunk_min)
         self.decoding = [0] * n_groups  # generating rows per group, after its last step
+        self.prompting = [0] * n_groups  # prompts with tokens to evaluate per group, likewise
         self.t_decode: float | None = None  # seconds of a step without prompt tokens
         self.t_token: float | None = None  # seconds one prompt token adds to a step
 
@@ -37,10 +46,13 @@ class PrefillBudget:
         base = self.t_decode if (self.t_decode is not None and n_rows) else 0.0
         self.t_token = _mean(self.t_token, max(seconds - base, 0.0) / n_prompt)
 
-    def tokens(self, group: int, n_generating: int, capacity: int) -> int:
+    def tokens(self, group: int, n_generating: int, capacity: int, n_prompting: int = 1) -> int:
         """The most prompt tokens the next step of ``group`` may carry (its own generating rows
-        ``n_generating``; the batch holds ``capacity``)."""
-        if self.stall is None or not (n_generating or any(n for g, n in enumerate(self.decoding) if g != group)):
+        ``n_generating`` and prompts waiting ``n_prompting``; the batch holds ``capacity``)."""
+        others = [g for g in range(len(self.decoding)) if g != group]
+        decoding = n_generating + sum(self.decoding[g] for g in others)
+        prompting = n_prompting + sum(self.prompting[g] for g in others)
+        if self.stall is None or decoding <= prompting:
             return capacity
         if self.t_decode is None or not self.t_token:
             return min(self.chunk_min, capacity)

@@ -72,7 +72,8 @@ class EngineConfig(BaseModel):
     n_ubatch: int = Field(default=512, ge=1, description="Physical micro-batch size [-ub].")
     prefill_stall: float | None = Field(
         default=0.5, ge=0.01, le=100.0,
-        description="Chunked prefill: while any stream decodes, a step's prompt tokens are cut so that "
+        description="Chunked prefill: while the streams decoding outnumber the prompts waiting (all groups), "
+        "a step's long prompts' tokens are cut so that "
         "the step lasts about (1 + this) times a step without them (learnt from the steps); a long "
         "prompt then stretches the other streams' token gaps by this share instead of by its whole "
         "chunk. None: prompts fill the batch up to n_batch, as llama-server does.",

@@ -31,7 +31,7 @@ from pathlib import Path
 from engine.budget import PrefillBudget
 from engine.config import EngineConfig
 from engine.native import Model, NativeError
-from engine.planner import draft_requests, generating, plan_start, plan_step
+from engine.planner import draft_requests, generating, plan_start, plan_step, prompting
 from engine.processor import OutputProcessor, final_output
 from engine.runner import Runner
 from engine.slots import Slot, SlotState, SlotView
@@ -253,8 +253,9 @@ class PipelineGroup:
             drafts = self._drafts()
         with prof.timed("batch"):
             n_rows = len(generating(self.active))
+            allowed = budget.tokens(self.index, n_rows, runner.capacity, len(prompting(self.active)))
             plan = plan_step(self.active, drafts, runner.capacity, runner.n_ubatch, self.config.kv_unified,
-                             budget.tokens(self.index, n_rows, runner.capacity), self.config.prefill_long_tokens)
+                             allowed, self.config.prefill_long_tokens)
             runner.fill(plan)
         n_prompt = sum(len(e.tokens) for e in plan.entries if e.slot.state is SlotState.PROMPT)
         t0 = time.perf_counter()
@@ -279,12 +280,17 @@ class PipelineGroup:
             outs.append(self._finish(s, end.reason, end.text, **end.figures))
         for s in got.began:  # published once (/slots, the page)
             self.on_release(s.view(), False)
-        budget.decoding[self.index] = len(generating(self.active))
+        self._publish_load()
         with prof.timed("send"):
             if outs:
                 self.sink(outs)
         prof.end_step(got.n_sampled, plan.n_tokens, len(self.active) + len(got.endings),
                       sum(len(s.cache_tokens) for s in self.slots), plan.n_ubatches, self.prefix.n_copied)
+
+    def _publish_load(self) -> None:
+        """What the other groups' chunked prefill reads of this one (engine/budget.py)."""
+        self.budget.decoding[self.index] = len(generating(self.active))
+        self.budget.prompting[self.index] = len(prompting(self.active))
 
     def _drafts(self) -> dict[int, list[int]]:
         """This step's drafts (slot id -> tokens), when the group speculates this step."""
@@ -309,7 +315,7 @@ class PipelineGroup:
         self.prefix.settle(s)
         if s in self.active:
             self.active.remove(s)
-        self.budget.decoding[self.index] = len(generating(self.active))
+        self._publish_load()
         if release:
             self.on_release(s.view(), True)
         return out

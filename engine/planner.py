@@ -100,6 +100,11 @@ def generating(active: list[Slot]) -> list[Slot]:
     return [s for s in active if s.state is SlotState.GENERATING]
 
 
+def prompting(active: list[Slot]) -> list[Slot]:
+    """The slots with prompt tokens left to evaluate (those waiting for another's prefix too)."""
+    return [s for s in active if s.state is SlotState.PROMPT]
+
+
 def draft_requests(gen: list[Slot], spec: SpeculativeConfig, n_ctx_slot: int) -> list[tuple[Slot, list[int], int]]:
     """The generating slots that draft this step: (slot, its history, most draft tokens).
     None when more slots generate than the speculation's ``max_rows``."""

@@ -29,6 +29,22 @@ def test_the_budget_follows_the_measured_cost_of_decode_steps_and_prompt_tokens(
     assert PrefillBudget(1, stall=None, chunk_min=8).tokens(0, 3, 512) == 512  # off
 
 
+def test_prompts_go_whole_unless_the_decoding_streams_outnumber_them():
+    b = PrefillBudget(2, stall=0.5, chunk_min=8)
+    for _ in range(20):
+        b.observe(n_rows=3, n_prompt=0, seconds=0.100)
+        b.observe(n_rows=3, n_prompt=40, seconds=0.140)
+    assert abs(b.tokens(0, 8, 512, n_prompting=1) - 50) <= 1  # one long prompt beside 8 streams
+    # a burst: the first of four prompts decodes, three wait; chunks would only delay them
+    assert b.tokens(0, 1, 512, n_prompting=3) == 512
+    assert b.tokens(0, 2, 512, n_prompting=2) == 512
+    # the other group's counts weigh as much as this group's
+    b.decoding[1], b.prompting[1] = 6, 0
+    assert abs(b.tokens(0, 1, 512, n_prompting=3) - 50) <= 1
+    b.prompting[1] = 4
+    assert b.tokens(0, 1, 512, n_prompting=3) == 512
+
+
 def test_the_plan_cuts_long_prompts_to_the_budget_and_never_the_decode_rows_nor_short_prompts():
     gen = busy(0, 0, [1, 2, 3], done=3, state=SlotState.GENERATING, last=9)
     a = busy(1, 1, list(range(10, 100)))  # 90 tokens: long above 50
@@ -44,7 +60,7 @@ def test_the_plan_cuts_long_prompts_to_the_budget_and_never_the_decode_rows_nor_
 
 
 def test_a_long_prompt_beside_a_decoding_stream_is_evaluated_in_smaller_chunks(make_engine):
-    """With a stream decoding, the long prompt takes more steps than n_batch chunks would, and
+    """With two streams decoding, the long prompt takes more steps than n_batch chunks would, and
     its output is the same (the stream's own text may part at a near tie after the prompt
     arrives: its rows then share batches of other shapes, which llama.cpp rounds otherwise)."""
     greedy = SamplingParams(temperature=0, max_tokens=1800, ignore_eos=True)  # outlasts the prompt
@@ -52,17 +68,19 @@ def test_a_long_prompt_beside_a_decoding_stream_is_evaluated_in_smaller_chunks(m
     long_prompt = [1] + [(13 * i) % 3000 + 300 for i in range(1500)]
     results = {}
     for arm, stall in (("off", None), ("on", 0.5)):
-        e = make_engine(n_parallel=2, n_ctx=2 * 2048, n_batch=512, prefill_stall=stall, prefill_chunk_min=16)
+        e = make_engine(n_parallel=3, n_ctx=3 * 2048, n_batch=512, prefill_stall=stall, prefill_chunk_min=16)
         e.generate(long_prompt, short)  # warm: the budget has seen prompt steps
-        stream = threading.Thread(target=e.generate, args=("a story", greedy))
-        stream.start()
-        while not any(v.state == "generating" for v in e.slot_views()):
+        streams = [threading.Thread(target=e.generate, args=(p, greedy)) for p in ("a story", "the king")]
+        for t in streams:
+            t.start()
+        while sum(v.state == "generating" for v in e.slot_views()) < 2:
             time.sleep(0.01)
         s0 = sum(p.steps for p in e.profiles())
         other = [1] + [(17 * i) % 3000 + 300 for i in range(1500)]  # nothing of it cached
         results[arm] = e.generate(other, short).text
         results[arm + "-steps"] = sum(p.steps for p in e.profiles()) - s0
-        stream.join(60)
+        for t in streams:
+            t.join(60)
     assert results["on"] == results["off"]
     # off: ceil(1500 / 511) chunks beside the stream's rows; on: the chunks are smaller
     assert results["off-steps"] <= 8 and results["on-steps"] > 2 * results["off-steps"], results
