@@ -78,11 +78,8 @@ class EngineConfig(BaseModel):
         "prompt then stretches the other streams' token gaps by this share instead of by its whole "
         "chunk. None: prompts fill the batch up to n_batch, as llama-server does.",
     )
-    prefill_chunk_min: int | None = Field(
-        default=None, ge=1,
-        description="Chunked prefill: the fewest prompt tokens a step carries, so a prompt always progresses. "
-        "None: 8 with one group, 8 / pipeline_groups with more (a group's step is a share of the stages' "
-        "work, so the same chunk stalls its streams more; measured by make bench-long).",
+    prefill_chunk_min: int = Field(
+        default=8, ge=1, description="Chunked prefill: the fewest prompt tokens a step carries, so a prompt always progresses."
     )
     prefill_long_tokens: int = Field(
         default=256, ge=0,
@@ -246,11 +243,6 @@ class EngineConfig(BaseModel):
         if self.peer_layers is not None and self.tensor_split is not None:
             raise ValueError("set peer_layers or tensor_split, not both")
         return self
-
-    @property
-    def chunk_min(self) -> int:
-        """``prefill_chunk_min``, or its default for the number of groups."""
-        return self.prefill_chunk_min or max(1, 8 // self.pipeline_groups)
 
     @property
     def n_slots_per_group(self) -> int:

@@ -124,7 +124,7 @@ class Engine:
                 share_min=config.share_min_tokens,
             )
             # chunked prefill: one budget for the groups, which share the stages
-            self.prefill = PrefillBudget(config.pipeline_groups, config.prefill_stall, config.chunk_min)
+            self.prefill = PrefillBudget(config.pipeline_groups, config.prefill_stall, config.prefill_chunk_min)
             for g in range(config.pipeline_groups):
                 group = PipelineGroup(g, self.model, self.tokenizer, config, self.slots[g * per : (g + 1) * per],
                                       self._sink, self.scheduler.release, draft_model=self.draft_model,
