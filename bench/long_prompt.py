@@ -5,9 +5,10 @@ streams decoding (greedy, end of generation ignored); after ``--steady`` seconds
 ``--prompt`` tokens (4,096 by default) arrives. For every stream, the gaps between its
 tokens: steady (the seconds before the prompt arrives) and during the prefill (from its
 arrival to its first token). Arms: the engine with 1 and 2 groups, chunked prefill on (the
-default, ``prefill_stall`` 0.5 and ``prefill_chunk_min`` 8; and with a floor of 4) and off (the batch filled to ``n_batch``, as llama-server
-does), and llama-server with rpc-server on the same split (``LLAMA_SERVER_BIN``; skipped
-without it). Prints one JSON line per arm and a table; writes bench/results/long_prompt.*.
+default, ``prefill_stall`` 0.5 and ``prefill_chunk_min`` 8; and with a floor of 4) and off
+(the batch filled to ``n_batch``, as llama-server does), and llama-server with rpc-server on
+the same split (``LLAMA_SERVER_BIN``; skipped without it). Prints one JSON line per arm and a
+table; writes bench/results/long_prompt.*.
 
     python -m bench.long_prompt [--prompt 4096] [--arms "a;b"]     (make bench-long)
 """
@@ -105,7 +106,7 @@ def timeline(open_stream: Callable[[list[int], int], Iterator[int]], streams: li
     return figures(arrivals, t_submit, first or time.perf_counter(), steady_s)
 
 
-def engine_arm(groups: int, stall: float | None, chunk_min: int | None = None) -> Callable[[], tuple[Callable, Callable]]:
+def engine_arm(groups: int, stall: float | None, chunk_min: int = 8) -> Callable[[], tuple[Callable, Callable]]:
     def start() -> tuple[Callable, Callable]:
         e = Engine(EngineConfig(model=str(GEMMA_MODEL), rpc_endpoints=[f"127.0.0.1:{PORT}"], peer_layers=N_PEER,
                                 n_parallel=SLOTS, pipeline_groups=groups, n_ctx=SLOTS * 4352, n_threads=1,
