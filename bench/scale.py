@@ -192,21 +192,26 @@ def load_figures(tb, base: str) -> dict:  # noqa: ANN001
                                 "--seed", "9")}
 
 
-def killed_under_load(tb, base: str, kill) -> dict:  # noqa: ANN001
-    """Streams running, ``kill()`` after 10 s; seconds from the kill to the next answer."""
+def killed_under_load(tb, base: str, kill, server: subprocess.Popen | None = None) -> dict:  # noqa: ANN001
+    """Streams running, ``kill()`` after 10 s: the seconds from the kill to the next answer, or
+    with ``server`` (llama-server, which nothing restarts here) how that process ended."""
     load = subprocess.Popen(in_ns(tb.HEAD, [sys.executable, "-m", "bench.scale", "client", "--base", base,
                                             "--prompt", "64", "--clients", "4", "--requests", "8", "--gen", "256"]),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     time.sleep(10)
     t_kill = time.time()
     what = kill()
-    probe = run_client(tb, base, "--probe", "900", timeout=960)
+    if server is None:
+        back = run_client(tb, base, "--probe", "900", timeout=960).get("answered_at")
+        got = {"killed": what, "serving_again_s": round(back - t_kill, 1) if back else None}
+    else:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.wait(120)
+        got = {"llama_server_exit": server.poll()}
     out, _ = load.communicate(timeout=1200)
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     streams = json.loads(lines[-1]) if lines else {}
-    back = probe.get("answered_at")
-    return {"killed": what, "serving_again_s": round(back - t_kill, 1) if back else None,
-            "streams_failed": streams.get("errors"), "streams": streams.get("requests")}
+    return {**got, "streams_failed": streams.get("errors"), "streams": streams.get("requests")}
 
 
 def engine_load(tb, base: str) -> dict:  # noqa: ANN001
@@ -220,7 +225,7 @@ def engine_load(tb, base: str) -> dict:  # noqa: ANN001
     return got
 
 
-def engine_arms(tb, args) -> dict:  # noqa: ANN001
+def engine_arms(tb) -> dict:  # noqa: ANN001
     base = f"http://{tb.HEAD.ip}:{tb.HTTP_PORT}"
     cache = tb.PEER.home / ".cache" / "pipeline-groups" / "rpc"
     common = dict(n_ctx=SLOTS * SLOT_CTX, n_parallel=SLOTS, peer_layers=N_PEER, chat_template=None)
@@ -328,25 +333,9 @@ def llama_server_arm(tb) -> dict:  # noqa: ANN001
         os.kill(rpc.pid, signal.SIGKILL)
         return rpc.pid
 
-    out["peer_killed"] = killed_under_load_once(tb, base, kill_peer, server)
+    out["peer_killed"] = killed_under_load(tb, base, kill_peer, server)
     stop(server, rpc)
     return out
-
-
-def killed_under_load_once(tb, base: str, kill, server: subprocess.Popen) -> dict:  # noqa: ANN001
-    """llama-server's peer killed under load: what the server does (nothing restarts it here)."""
-    load = subprocess.Popen(in_ns(tb.HEAD, [sys.executable, "-m", "bench.scale", "client", "--base", base,
-                                            "--prompt", "64", "--clients", "4", "--requests", "8", "--gen", "256"]),
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    time.sleep(10)
-    kill()
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        server.wait(120)
-    out, _ = load.communicate(timeout=600)
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    streams = json.loads(lines[-1]) if lines else {}
-    return {"llama_server_exit": server.poll(), "streams_failed": streams.get("errors"),
-            "streams": streams.get("requests")}
 
 
 # ---------------------------------------------------------------- report
@@ -419,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     print("raw link", res["raw_link"], flush=True)
     tb.ray_up()
     tb.wait_for_peer()
-    res["engine"] = engine_arms(tb, a)
+    res["engine"] = engine_arms(tb)
     print(json.dumps(res["engine"]), flush=True)
     if not a.no_llama_server:
         res["llama_server"] = llama_server_arm(tb)
