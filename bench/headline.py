@@ -95,7 +95,11 @@ def cells() -> list[Cell]:
 
 
 def _metric_sums(base: str) -> dict[str, float]:
-    text = httpx.get(base + "/metrics", timeout=30).text
+    return metric_sums(httpx.get(base + "/metrics", timeout=30).text)
+
+
+def metric_sums(text: str) -> dict[str, float]:
+    """Each series of a Prometheus exposition, summed over its labels."""
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:

@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -149,8 +148,7 @@ def raw_link(tb, mib: int = 1024) -> dict:  # noqa: ANN001
 
 def rpc_bytes(tb, port: int) -> int:  # noqa: ANN001
     """Bytes the peer's RPC listener on ``port`` has received on its open connections."""
-    r = tb._sh(in_ns(tb.PEER, ["ss", "-Htin", "state", "established", f"( sport = :{port} )"]))
-    return sum(int(x) for x in re.findall(r"bytes_received:(\d+)", r.stdout))
+    return tb.rpc_socket_bytes(port)["received"]
 
 
 # ---------------------------------------------------------------- memory
@@ -216,13 +214,13 @@ def killed_under_load(tb, base: str, kill, server: subprocess.Popen | None = Non
 
 def engine_load(tb, base: str) -> dict:  # noqa: ANN001
     """The engine's own load time and the pages it released, from its metrics."""
+    from bench.headline import metric_sums
+
     text = tb._sh(in_ns(tb.HEAD, ["curl", "-s", "--max-time", "10", base + "/metrics"]), check=False).stdout
-    got = {}
-    for name, key in (("pgroups_model_load_seconds", "model_load_s"), ("pgroups_model_pages_released_bytes",
-                                                                        "released_bytes")):
-        m = re.search(rf"^{name}{{[^}}]*}} ([0-9.e+]+)$", text, re.M)
-        got[key] = round(float(m.group(1)), 1) if m else None
-    return got
+    sums = metric_sums(text)
+    return {key: round(sums[name], 1) if name in sums else None
+            for name, key in (("pgroups_model_load_seconds", "model_load_s"),
+                              ("pgroups_model_pages_released_bytes", "released_bytes"))}
 
 
 def engine_arms(tb) -> dict:  # noqa: ANN001

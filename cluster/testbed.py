@@ -531,10 +531,10 @@ def link_bytes() -> dict[str, int]:
     return {"tx": int(s["tx"]["bytes"]), "rx": int(s["rx"]["bytes"])}
 
 
-def rpc_socket_bytes() -> dict[str, int]:
-    """Bytes of the engine's ggml RPC connection, from the kernel's counters on the peer's end
-    (sent = peer to head)."""
-    r = _sh(["ip", "netns", "exec", PEER.netns, "ss", "-Htin", "state", "established", f"( sport = :{RPC_PORT} )"])
+def rpc_socket_bytes(port: int = RPC_PORT) -> dict[str, int]:
+    """Bytes of the ggml RPC connections to the peer's ``port``, from the kernel's counters on
+    the peer's end (sent = peer to head)."""
+    r = _sh(["ip", "netns", "exec", PEER.netns, "ss", "-Htin", "state", "established", f"( sport = :{port} )"])
     sent = sum(int(x) for x in re.findall(r"bytes_sent:(\d+)", r.stdout))
     received = sum(int(x) for x in re.findall(r"bytes_received:(\d+)", r.stdout))
     return {"sent": sent, "received": received, "connections": r.stdout.count("bytes_received")}

@@ -69,13 +69,6 @@ class ModelShape:
     n_expert: int = 0  # > 0: every feed-forward block is a mixture of this many experts of n_ff
     n_expert_used: int = 0  # experts per token
 
-    def size_bytes(self) -> int:
-        """About what the GGUF holds (the weights), from the shape alone."""
-        per_weight = {"f16": 2.0, "q8_0": 34 / 32, "q4_k": 144 / 256}[self.ftype]
-        e, kv = self.n_embd, self.n_embd // self.n_head * self.n_head_kv
-        ffn = 3 * e * self.n_ff * max(1, self.n_expert)
-        return int(per_weight * (self.n_layer * (2 * e * e + 2 * e * kv + ffn) + 2 * self.n_vocab * e))
-
 
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|repo_name|>", "<|file_sep|>")
 FIM_KEYS = ("pre", "suf", "mid", "rep", "sep")  # tokenizer.ggml.fim_<key>_token_id, in FIM_TOKENS' order
