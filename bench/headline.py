@@ -57,7 +57,7 @@ class Cell:
     share_prefix: bool = True  # pipeline-groups only: slots share prefixes (engine/prefix.py)
     topology: str = "layer_split"  # pipeline-groups only: or "replicas", one engine per node (half the slots each)
     flash_attn: str = "auto"  # llama-server only: its -fa setting
-    haproxy: bool = False  # pipeline-groups only: Serve's direct ingress behind HAProxy, not the proxy actor
+    ingress: str = "direct"  # pipeline-groups only: the ingress serves HTTP itself; "proxy": Serve's proxy actor
 
     @property
     def n_ctx(self) -> int:
@@ -74,7 +74,7 @@ class Cell:
             what = "pipeline-groups, one node alone (no split)"
         else:
             what = (f"pipeline-groups, groups {self.groups}" + ("" if self.share_prefix else ", no prefix sharing")
-                    + (", HAProxy" if self.haproxy else ""))
+                    + (", Serve proxy" if self.ingress == "proxy" else ""))
         load = f"{self.clients} clients" + (f", {self.shared_prefix}-token shared prefix" if self.shared_prefix else "")
         return f"{what}, {'pinned' if self.pinned else 'unpinned'}, {load}"
 
@@ -85,7 +85,7 @@ def cells() -> list[Cell]:
     ls, pg = Cell("llama-server"), Cell("pipeline-groups")
     refs = [replace(ls, output_local=local, flash_attn=fa) for local in (False, True) for fa in ("auto", "on", "off")]
     rep = replace(pg, topology="replicas")
-    out = [*refs, pg, replace(pg, groups=2), replace(pg, groups=2, haproxy=True), rep]
+    out = [*refs, pg, replace(pg, groups=2), replace(pg, groups=2, ingress="proxy"), rep]
     out += [replace(ls, pinned=True, flash_attn=fa) for fa in ("auto", "on", "off")]
     out += [replace(c, pinned=True) for c in (pg, replace(pg, groups=2), rep, replace(pg, topology="single"))]
     for n in (8, 16):
@@ -195,17 +195,16 @@ def main(out: Path, only: str | None = None) -> list[dict]:
     for c in todo:
         if c.system == "llama-server":
             done(run_llama_server(c))
-    for haproxy in (False, True):
-        ours = [c for c in todo if c.system == "pipeline-groups" and c.haproxy == haproxy]
+    for ingress in ("direct", "proxy"):
+        ours = [c for c in todo if c.system == "pipeline-groups" and c.ingress == ingress]
         if not ours:
             continue
-        stack = HttpStack(haproxy=haproxy)
+        stack = HttpStack(ingress=ingress)
         try:
             for c in ours:
                 done(run_ours(stack, c))
         finally:
             stack.close()
-    os.environ.pop("RAY_SERVE_ENABLE_HA_PROXY", None)
     meta = {"machine": f"{os.cpu_count()} cores, {os.uname().machine}", "cores": os.cpu_count(), "cpu": cpu.describe(),
             "model": MODEL.name,
             "shape": SHAPE.__dict__, "split": f"{N_PEER} layers on the peer, {SHAPE.n_layer - N_PEER} and the output local",

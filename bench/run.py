@@ -142,16 +142,12 @@ def _profile_figures(p0: list, p1: list, res: LoadResult) -> dict:
 class HttpStack:
     """The local two-node Ray cluster with Serve on a bench port."""
 
-    def __init__(self, haproxy: bool = False) -> None:
-        """``haproxy``: Ray Serve's direct ingress behind HAProxy (set for every Ray process
-        this stack starts, as ``ray start`` would get it on a real cluster)."""
+    def __init__(self, ingress: str | None = None) -> None:
+        """``ingress``: "direct" (the ingress serves HTTP itself) or "proxy" (Serve's proxy
+        actor); default: ``local_cluster.ingress_mode()``."""
         from cluster import local_cluster
 
-        if haproxy:
-            os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
-        else:
-            os.environ.pop("RAY_SERVE_ENABLE_HA_PROXY", None)
-        self._session = local_cluster.serve_session(6392, HTTP_PORT)
+        self._session = local_cluster.serve_session(6392, HTTP_PORT, ingress=ingress)
         self._session.__enter__()
         self.base = f"http://127.0.0.1:{HTTP_PORT}"
         self.deployed = False

@@ -38,9 +38,21 @@ def auth_env() -> dict[str, str]:
     return env
 
 
+# Serve's periodic work, which a busy node pays on every token: replicas' and routers' metrics
+# flushed each second instead of every 0.1 s, the controller's loop twice a second instead of
+# ten times (its reaction to a replica's death or a deploy, by a few tenths of a second). Set
+# in the environment of every `ray start`, here and in the ray up configs.
+SERVE_TUNING = {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+
+
+def tuned_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) with ``SERVE_TUNING`` where it sets none of its own."""
+    return {**SERVE_TUNING, **(env if env is not None else os.environ)}
+
+
 def _run(args: list[str], env: dict[str, str] | None = None) -> None:
     log.info("$ %s", " ".join(args))
-    subprocess.run(args, check=True, env=env or dict(os.environ), stdout=subprocess.DEVNULL)
+    subprocess.run(args, check=True, env=tuned_env(env), stdout=subprocess.DEVNULL)
 
 
 def start(port: int = DEFAULT_PORT, head_cpus: int = 4, peer_cpus: int = 2, pairs: int = 1,
@@ -58,15 +70,16 @@ def start(port: int = DEFAULT_PORT, head_cpus: int = 4, peer_cpus: int = 2, pair
          "--resources=" + json.dumps({"stage_local": 1, **extra}), "--include-dashboard=false", *common]
     )
     env = auth_env()
+    joiner = [*common, "--include-log-monitor=false"]  # one log monitor per host: the head's
     _run(
         [ray, "start", f"--address={address}", "--node-ip-address=127.0.0.1", f"--num-cpus={peer_cpus}",
-         "--resources=" + json.dumps({"stage_peer": 1, **extra}), *common],
+         "--resources=" + json.dumps({"stage_peer": 1, **extra}), *joiner],
         env=env,
     )
     for _ in range(pairs - 1):
         for resource, cpus in (("stage_local", head_cpus // 2), ("stage_peer", peer_cpus)):
             _run([ray, "start", f"--address={address}", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}",
-                  "--resources=" + json.dumps({resource: 1, **extra}), *common], env=env)
+                  "--resources=" + json.dumps({resource: 1, **extra}), *joiner], env=env)
     os.environ.update({k: v for k, v in env.items() if k.startswith("RAY_AUTH")})
     _wait_nodes(address, 2 * pairs)
     return address
@@ -86,19 +99,30 @@ def _wait_nodes(address: str, n: int, timeout_s: float = 60.0) -> None:
         ray.shutdown()
 
 
+def ingress_mode() -> str:
+    """How HTTP reaches the ingress in the tests and benchmarks: ``direct`` (the ingress
+    serves it, deployments/direct.py) unless ``PGROUPS_INGRESS=proxy`` asks for Serve's proxy."""
+    mode = os.environ.get("PGROUPS_INGRESS", "direct")
+    if mode not in ("direct", "proxy"):
+        raise ValueError(f"PGROUPS_INGRESS={mode!r}: direct or proxy")
+    return mode
+
+
 @contextlib.contextmanager
 def serve_session(port: int, http_port: int, head_cpus: int = 8, peer_cpus: int = 2, pairs: int = 1,
-                  node_memory: int | None = None) -> Iterator[str]:
-    """The two-node cluster with this process as its driver and Serve's HTTP proxy on
-    ``http_port`` (the tests and the benchmark); everything is stopped after."""
+                  node_memory: int | None = None, ingress: str | None = None) -> Iterator[str]:
+    """The two-node cluster with this process as its driver and HTTP on ``http_port`` (the
+    tests and the benchmark): served by the ingress itself, or with ``ingress="proxy"`` by
+    Serve's HTTP proxy on the head (default: ``ingress_mode()``); everything is stopped after."""
     import ray
     from ray import serve
 
     stop()
     address = start(port=port, head_cpus=head_cpus, peer_cpus=peer_cpus, pairs=pairs, node_memory=node_memory)
     ray.init(address=address, namespace="pipeline-groups", log_to_driver=False, logging_level=logging.WARNING)
-    # one HTTP proxy, on the head: the nodes share this machine's address and the port
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port})
+    # one HTTP server, on the head: the nodes share this machine's address and the port
+    location = "HeadOnly" if (ingress or ingress_mode()) == "proxy" else "Disabled"
+    serve.start(proxy_location=location, http_options={"host": "127.0.0.1", "port": http_port})
     try:
         yield address
     finally:

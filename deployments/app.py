@@ -17,6 +17,7 @@ from deployments.topology import TopologyChoice, choose, missing_model, model_ne
 from engine.models import ensure_shipped, is_shipped
 
 log = logging.getLogger(__name__)
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's own resource of the head node
 
 def _has_resource(name: str) -> bool:
     import ray
@@ -54,16 +55,17 @@ def check_exposure(host: str | None, a: AppArgs) -> None:
                     "set api_key in the app's args to require one", host)
 
 
-def _http_host() -> str | None:
-    """The address Serve's HTTP proxies bind (asked of the controller; None outside Serve)."""
+def _serve_http() -> tuple[str, int, bool] | None:
+    """Serve's HTTP address, port and whether it runs HTTP proxies (asked of the controller);
+    None outside Serve."""
     try:
         import ray
-        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
         if not ray.is_initialized():
             return None
-        ctrl = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-        return str(ray.get(ctrl.get_http_config.remote(), timeout=10).host)
+        from deployments.direct import serve_http_config
+
+        return serve_http_config()
     except Exception:  # not in a Serve application build
         return None
 
@@ -85,7 +87,8 @@ def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
     from deployments.ingress import Ingress
 
     a = AppArgs.model_validate(args or {})
-    check_exposure(_http_host(), a)
+    http = _serve_http()
+    check_exposure(http[0] if http else None, a)
     _ensure_model(a.model)
     topo = plan_topology(a)
     log.warning("topology %s: %s", topo.topology, topo.reason)
@@ -104,7 +107,11 @@ def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
         engine = _split_engine(a, topo)
     ingress_opts: dict[str, Any] = {"num_cpus": 0}
     pairs_placed = not replicas and a.pairs and a.placement and _has_resource(PEER_RESOURCE)
-    if a.placement and _has_resource(LOCAL_RESOURCE) and not pairs_placed:
+    direct = http is not None and not http[2]  # no Serve proxy: the ingress serves HTTP itself
+    if direct:
+        # on the head, where Serve's HeadOnly proxy would listen: http_options' address is its
+        ingress_opts["resources"] = {HEAD_RESOURCE: 0.001}
+    elif a.placement and _has_resource(LOCAL_RESOURCE) and not pairs_placed:
         # beside the engine on the local node (pairs' engines hold every local node's whole
         # stage_local: their ingress goes anywhere)
         ingress_opts["resources"] = {LOCAL_RESOURCE: 0.01}
@@ -116,7 +123,7 @@ def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
              "allowed_hosts": [h.lower() for h in a.allowed_hosts]}
     return Ingress.options(ray_actor_options=ingress_opts).bind(
         engine, names, a.api_key, a.request_timeout_s, a.max_body_bytes, strict_request_fields=a.strict_request_fields,
-        guard=guard,
+        guard=guard, http=(http[0], http[1]) if direct else None,
     )
 
 

@@ -45,6 +45,7 @@ class GuardSettings:
     body_timeout_s: float = 10.0
     min_body_rate: float = 1024 * 1024  # bytes/s: a body may take body_timeout_s + size / rate
     max_requests_per_client: int = 256
+    max_requests: int = 2048  # in flight in all (the ingress deployment's max_ongoing_requests)
     cors_origins: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
     keyless: bool = True  # no api_key: the Host check applies on loopback
@@ -99,6 +100,7 @@ class Guard:
         self.app = app
         self.settings_of = settings_of
         self.ongoing: dict[str, int] = {}  # client address -> requests in flight (no entry at 0)
+        self.total = 0  # requests in flight from every client
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         s = self.settings_of() if scope["type"] == "http" else None
@@ -125,12 +127,17 @@ class Guard:
             await self._refuse(s, send, path, e, cors)
             return
         client = (scope.get("client") or ("?", 0))[0]
+        if self.total >= s.max_requests:  # served directly, nothing else bounds them (deployments/direct.py)
+            await self._refuse(s, send, path, _Refused(
+                503, f"the server has {s.max_requests} requests in flight, its limit; retry", {"Retry-After": "1"}), cors)
+            return
         if self.ongoing.get(client, 0) >= s.max_requests_per_client:
             await self._refuse(s, send, path, _Refused(
                 429, f"too many requests in flight from {client} (max_requests_per_client "
                 f"{s.max_requests_per_client})", {"Retry-After": "1"}), cors)
             return
         self.ongoing[client] = self.ongoing.get(client, 0) + 1
+        self.total += 1
         try:
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 try:
@@ -142,6 +149,7 @@ class Guard:
                     return
             await self.app(scope, receive, self._with_cors(send, cors) if cors else send)
         finally:
+            self.total -= 1
             n = self.ongoing[client] - 1
             if n:
                 self.ongoing[client] = n

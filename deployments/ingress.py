@@ -40,6 +40,7 @@ from deployments.api.base import (
     parse_body,
     read_request,
 )
+from deployments.direct import DirectServer
 from deployments.guard import Guard, GuardSettings
 from deployments.router import Route, prefix_hashes, routing_text
 from deployments.streams import IngressStreams, Pending, detached
@@ -67,6 +68,7 @@ app.add_middleware(Guard, settings_of=_guard_settings)
 
 MAX_FIELD_NAMES = 256  # distinct ignored field names counted (a client cannot grow the table without bound)
 OFFLOAD_BYTES = 64 * 1024  # bodies larger than this are parsed off the event loop
+DIRECT_STOP_S = 20.0  # direct ingress: how long a stopping replica's running requests get
 
 _REF = "#/components/schemas/{model}"
 _BODY_MODELS = {ep.request.__name__: ep.request for ep in api.ENDPOINTS}
@@ -123,6 +125,25 @@ def _error_status(o: Output) -> tuple[int, str]:
 async def _sized(n_bytes: int, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` for a body of ``n_bytes``: inline when small, in a thread when large."""
     return fn(*args) if n_bytes < OFFLOAD_BYTES else await asyncio.to_thread(fn, *args)
+
+
+async def _until_gone(request: Request, work: Any) -> Response:
+    """``work``'s response, unless the client goes away first: then ``work`` is cancelled
+    (its request with it) and nobody reads the 499 left in its place."""
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            t.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)  # its cleanup (the engine's cancel) has run
+    return Response(status_code=499)
 
 
 class Answering(JSONResponse):
@@ -201,10 +222,13 @@ for _method, _paths, _handler in api.ROUTES:
     _attach_route(_method, _paths, _handler)
 
 
-@serve.deployment(name="ingress", max_ongoing_requests=2048, graceful_shutdown_timeout_s=30)
+MAX_ONGOING = 2048  # requests in flight per ingress replica, through Serve's proxy or not
+
+
+@serve.deployment(name="ingress", max_ongoing_requests=MAX_ONGOING, graceful_shutdown_timeout_s=30)
 @serve.ingress(app)
 class Ingress:
-    def __init__(
+    async def __init__(
         self,
         engine: Any,
         model_names: list[str],
@@ -214,7 +238,10 @@ class Ingress:
         connect_timeout_s: float = 10.0,
         strict_request_fields: bool = False,
         guard: dict[str, Any] | None = None,
+        http: tuple[str, int] | None = None,
     ) -> None:
+        """``http``: the address and port this replica serves HTTP on itself (direct ingress,
+        ``deployments.direct``: Serve runs no proxy); None: behind Serve's proxy."""
         self.engine = engine
         self.model_names = model_names
         self.strict = strict_request_fields
@@ -223,10 +250,11 @@ class Ingress:
         self.request_timeout_s = request_timeout_s
         self.out = IngressStreams(engine, connect_timeout_s)
         self.internal_errors = 0  # 500s: the server's own faults
-        self.guard = GuardSettings(max_body_bytes=max_body_bytes, keyless=not api_key,
+        self.guard = GuardSettings(max_body_bytes=max_body_bytes, keyless=not api_key, max_requests=MAX_ONGOING,
                                    error_shape=lambda path: ERROR_SHAPES.get(path, openai_error),
                                    **{k: tuple(v) if isinstance(v, list) else v for k, v in (guard or {}).items()})
         _CURRENT[:] = [self]
+        self.http = DirectServer(app, *http) if http else None
 
     @property
     def streams(self) -> dict[str, str]:
@@ -239,7 +267,10 @@ class Ingress:
                 "known": sorted(self.out.known()), "ignored_fields": len(self.ignored_fields)}
 
     async def __del__(self) -> None:
-        """Serve's destructor: end this replica's output streams at the engines."""
+        """Serve's destructor: stop serving HTTP (running requests get their time), then end
+        this replica's output streams at the engines."""
+        if self.http is not None:
+            await self.http.stop(DIRECT_STOP_S)
         await self.out.close()
 
     # ---- the request checks ------------------------------------------------------------------
@@ -350,6 +381,8 @@ class Ingress:
                     self._guarded(rid, self._sse(rid, p, shaper, ep)), media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                     background=BackgroundTask(self._release, rid))  # also when the client is gone before it starts
+            elif self.http is not None:  # no proxy to cancel this call when its client leaves
+                resp = await _until_gone(request, self._collect(rid, p, shaper, ep))
             else:
                 resp = await self._collect(rid, p, shaper, ep)
         except BaseException:  # nobody will read its outputs: the engine stops generating them

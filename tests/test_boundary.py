@@ -292,6 +292,27 @@ def test_one_address_cannot_hold_every_place():
     assert other == 200 and flood == 429
 
 
+def test_every_client_together_cannot_pass_the_ingress_bound():
+    """Served directly (no Serve proxy to queue them), the ingress holds at most
+    ``max_requests`` in flight from every address together: the next gets a 503 at once."""
+    s = GuardSettings(max_requests=2, body_timeout_s=5.0)
+    g = Guard(_app, lambda: s)
+
+    async def main() -> tuple[int, dict, int]:
+        stalled = [asyncio.create_task(asyncio.to_thread(_call, g, client=f"127.0.0.{i}", chunks=[b"{"], stall=True))
+                   for i in (2, 3)]
+        await asyncio.sleep(0.5)
+        status, headers, _ = await asyncio.to_thread(_call, g, client="127.0.0.4")
+        for t in stalled:
+            t.cancel()
+        await asyncio.sleep(0)
+        return status, headers, g.total
+
+    status, headers, in_flight = asyncio.run(main())
+    assert status == 503 and headers.get("retry-after") == "1" and in_flight == 2
+    assert s.refused.get("503") == 1
+
+
 def test_same_origin_compares_scheme_default_ports():
     assert same_origin("http://localhost", "localhost:80") and same_origin("http://h:8000", "H:8000")
     assert not same_origin("http://h:8001", "h:8000") and not same_origin("null", "h:8000")

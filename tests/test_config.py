@@ -90,3 +90,24 @@ def test_app_args_are_the_engine_config_plus_the_deployments_keys(monkeypatch):
         "rpc", "api_key", "request_timeout_s", "max_body_bytes", "stage_timeout_s", "placement", "replicas",
         "allow_unauthenticated", "strict_request_fields", "topology", "body_timeout_s", "min_body_rate",
         "max_requests_per_client", "cors_origins", "allowed_hosts"}
+
+
+def test_every_shipped_config_serves_directly_and_every_node_gets_serves_tuning():
+    """The shipped Serve configs run no Serve proxy (the ingress serves HTTP itself), and the
+    ray up configs start every node with the Serve settings the local cluster uses."""
+    from pathlib import Path
+
+    import yaml
+
+    from cluster.local_cluster import SERVE_TUNING, tuned_env
+
+    root = Path(__file__).resolve().parents[1]
+    for path in sorted((root / "deployments" / "configs").glob("*.yaml")):
+        assert yaml.safe_load(path.read_text())["proxy_location"] == "Disabled", path.name
+    for name in ("two-sparks.yaml", "four-sparks.yaml"):
+        cfg = yaml.safe_load((root / "cluster" / name).read_text())
+        for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+            start = next(c for c in cfg[key] if "ray start" in c)
+            for k, v in SERVE_TUNING.items():
+                assert f"{k}={v}" in start, (name, key, k)
+    assert tuned_env({"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"})["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"

@@ -252,7 +252,7 @@ def test_ingress_health_is_503_while_its_output_stream_is_down(monkeypatch):
     async def main() -> None:
         handle = _EngineHandle()
         ing = object.__new__(cls)
-        cls.__init__(ing, handle, ["m"])
+        await cls.__init__(ing, handle, ["m"])
         assert (await ing.health()).status_code == 200  # first call: starts the stream
         await asyncio.wait_for(ing.out.connected.wait(), 10)
         handle.drop()

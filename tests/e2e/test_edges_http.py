@@ -121,6 +121,37 @@ def test_a_thousand_clients_vanishing_anywhere_leave_every_table_empty_and_rss_f
     assert r.status_code == 200
 
 
+def test_a_client_that_leaves_before_its_whole_answer_cancels_it(deploy):
+    """Not streamed, a request whose client goes away is cancelled in the engine (served
+    directly, no proxy cancels the call for it), not generated to its length."""
+    import socket
+
+    base = deploy(APP)
+    body = b'{"prompt": "gone", "max_tokens": 480, "ignore_eos": true}'
+    host, port = base.removeprefix("http://").split(":")
+    socks = []
+    for _ in range(3):
+        s = socket.create_connection((host, int(port)), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        socks.append(s)
+    wait_busy(base, 3)
+    before = _cancelled(base)
+    for s in socks:
+        s.close()
+    ing, eng = wait_empty()
+    assert eng["running"] == 0 and ing["pending"] == 0, (ing, eng)
+    assert _cancelled(base) - before == 3  # cancelled, not finished by their length
+
+
+def _cancelled(base: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base + "/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "pgroups_requests_total" and s.labels.get("finished_reason") == "cancelled")
+
+
 def wait_busy(base: str, n: int, timeout_s: float = 60.0) -> None:
     """Until ``n`` slots are processing."""
     deadline = time.monotonic() + timeout_s
