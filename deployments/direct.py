@@ -56,8 +56,10 @@ class DirectServer:
 
         self.host, self.port = host, port
         self.sock = listen(host, port)
+        # proxy_headers off: the guard counts the socket's own peer, never an X-Forwarded-For a
+        # client on loopback could write
         config = uvicorn.Config(app, lifespan="off", log_level=None, log_config=None, access_log=False,
-                                timeout_keep_alive=int(keep_alive_s), loop="none")
+                                timeout_keep_alive=int(keep_alive_s), loop="none", proxy_headers=False)
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # the replica's process owns its signals
         self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]))

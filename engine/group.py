@@ -37,6 +37,7 @@ from engine.runner import Runner
 from engine.slots import Slot, SlotState, SlotView
 from engine.tokenizer import Tokenizer
 from engine.types import SHUTTING_DOWN, FinishReason, Output, Request
+from observability.process import name_this_thread
 from observability.profiler import GroupProfiler
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,7 @@ class PipelineGroup:
     # ---- the thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        name_this_thread(f"pgroup-{self.index}")
         if self.config.local_cpus:
             # pid 0 is this thread; ggml's compute threads, created from it, inherit the mask
             os.sched_setaffinity(0, self.config.local_cpus)

@@ -21,3 +21,15 @@ def cpu_seconds(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except OSError:
         return 0.0
+
+
+def name_this_thread(name: str) -> None:
+    """Give the calling thread ``name`` in the kernel too (``top -H``, ``/proc/<pid>/task/*/comm``
+    and per-thread CPU figures show it; Linux keeps 15 bytes); a no-op elsewhere."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15] + b"\0", 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
