@@ -8,6 +8,7 @@ rpc-server, and the benchmark's load client (this process). Linux only (/proc).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from observability.process import cpu_seconds
@@ -37,9 +38,8 @@ def _role(cmd: str) -> str | None:
     return None
 
 
-def snapshot() -> dict[str, float]:
-    """CPU seconds so far per role (processes that exited since the last call are lost)."""
-    out: dict[str, float] = {"load client": cpu_seconds(os.getpid())}
+def _processes() -> Iterator[tuple[int, str]]:
+    """(pid, role) of every process on the box with a role, this one excluded."""
     for d in Path("/proc").iterdir():
         if not d.name.isdigit() or int(d.name) == os.getpid():
             continue
@@ -49,8 +49,20 @@ def snapshot() -> dict[str, float]:
             continue
         role = _role(cmd)
         if role is not None:
-            out[role] = out.get(role, 0.0) + cpu_seconds(int(d.name))
+            yield int(d.name), role
+
+
+def snapshot() -> dict[str, float]:
+    """CPU seconds so far per role (processes that exited since the last call are lost)."""
+    out: dict[str, float] = {"load client": cpu_seconds(os.getpid())}
+    for pid, role in _processes():
+        out[role] = out.get(role, 0.0) + cpu_seconds(pid)
     return out
+
+
+def pids(keep: Callable[[str], bool]) -> list[int]:
+    """The processes on the box whose role ``keep`` accepts (this process excluded)."""
+    return [pid for pid, role in _processes() if keep(role)]
 
 
 def per_token_ms(before: dict[str, float], after: dict[str, float], n_tokens: int) -> dict[str, float]:

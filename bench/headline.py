@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import cpu
 from bench.clients import make_prompts, run_http
+from bench.layout import layout, pin_processes
 from bench.llama_server import LlamaServer
 from engine.synthetic_model import ModelShape, write_model
 
@@ -37,7 +38,8 @@ SLOTS = 32
 N_PROMPT, N_GEN = 56, 32
 PREFIX = 200
 LS_PORT, LS_RPC_PORT = 8767, 50173
-PEER_CPUS, LOCAL_CPUS = [0], [1]
+LAYOUT = layout()  # the pinned cells' cores (bench/layout.py): on 2 cores, 0 for the peer, 1 local
+PEER_CPUS, LOCAL_CPUS, THREADS = LAYOUT.peer, LAYOUT.local, LAYOUT.threads
 
 
 @dataclass(frozen=True)
@@ -148,9 +150,20 @@ def measure(base: str, c: Cell, ours: bool) -> dict:
             "errors": sum(r["errors"] for r in reps)}
 
 
+def place_the_rest(pinned: bool) -> None:
+    """Where the box has cores to spare (bench/layout.py), a pinned cell's Ray, HTTP and load
+    client processes go on them; an unpinned cell's float over every core again. The stages
+    pin themselves (rpc.cpus, local_cpus; taskset for llama-server and rpc-server)."""
+    if not LAYOUT.rest:
+        return
+    cores = LAYOUT.rest if pinned else LAYOUT.every
+    pin_processes([os.getpid(), *cpu.pids(lambda role: role not in ("rpc stage", "llama-server"))], cores)
+
+
 def run_llama_server(c: Cell) -> dict:
+    place_the_rest(c.pinned)
     srv = LlamaServer(MODEL, n_layer=SHAPE.n_layer, n_peer=N_PEER, output_local=c.output_local, slots=SLOTS,
-                      flash_attn=c.flash_attn,
+                      flash_attn=c.flash_attn, threads=THREADS,
                       n_ctx=c.n_ctx, port=LS_PORT, rpc_port=LS_RPC_PORT,
                       peer_cpus=PEER_CPUS if c.pinned else None, local_cpus=LOCAL_CPUS if c.pinned else None)
     try:
@@ -166,13 +179,14 @@ def run_ours(stack, c: Cell) -> dict:  # noqa: ANN001 - bench.run.HttpStack
     per_node = 2 if c.topology == "replicas" else 1
     args = {
         "model": str(MODEL), "n_ctx": c.n_ctx // per_node, "n_parallel": SLOTS // per_node, "pipeline_groups": c.groups,
-        "n_threads": 1, "devices": ["RPC0", "CPU"], "peer_layers": N_PEER,
+        "n_threads": THREADS, "devices": ["RPC0", "CPU"], "peer_layers": N_PEER,
         "n_batch": 512, "max_queued_requests": 4096, "local_cpus": LOCAL_CPUS if c.pinned else None,
-        "rpc": {"port": 50174, "threads": 1, "cpus": PEER_CPUS if c.pinned else None},
+        "rpc": {"port": 50174, "threads": THREADS, "cpus": PEER_CPUS if c.pinned else None},
         "share_prefix": c.share_prefix, "topology": "layer_split" if c.topology == "single" else c.topology,
     }
     if c.topology == "single":
         args.update(devices=None, peer_layers=None, rpc=None)
+    place_the_rest(c.pinned)  # before the deploy: the new replica's processes inherit it
     stack.deploy(args)
     return measure(stack.base, c, ours=True)
 
@@ -208,7 +222,7 @@ def main(out: Path, only: str | None = None) -> list[dict]:
     meta = {"machine": f"{os.cpu_count()} cores, {os.uname().machine}", "cores": os.cpu_count(), "cpu": cpu.describe(),
             "model": MODEL.name,
             "shape": SHAPE.__dict__, "split": f"{N_PEER} layers on the peer, {SHAPE.n_layer - N_PEER} and the output local",
-            "n_prompt": N_PROMPT, "n_gen": N_GEN, "slots": SLOTS, "wall_s": round(time.monotonic() - t0, 1),
+            "layout": LAYOUT.describe(), "n_prompt": N_PROMPT, "n_gen": N_GEN, "slots": SLOTS, "wall_s": round(time.monotonic() - t0, 1),
             "command": "make bench" + (f" BENCH_ARGS='--only \"{only}\"'" if only else "")}
     from bench.report import write_headline
 
