@@ -50,6 +50,7 @@ class LoadResult:
             "tok_s": round(toks / self.wall_s, 2) if self.wall_s else 0.0,
             "tpot_ms": round(1000 * statistics.mean(tpots), 1) if tpots else None,
             "ttft_median_s": round(statistics.median(ttfts), 3) if ttfts else None,
+            "ttft_mean_s": round(statistics.mean(ttfts), 3) if ttfts else None,
             "ttft_p99_s": round(statistics.quantiles(ttfts, n=100, method="inclusive")[98], 3) if len(ttfts) > 1 else None,
             "cached_tokens": sum(t.cached for t in ok),
             "errors": self.errors,

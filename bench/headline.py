@@ -109,6 +109,20 @@ def metric_sums(text: str) -> dict[str, float]:
     return out
 
 
+def ttft_parts(d: dict[str, float]) -> dict[str, float]:
+    """Where a request's first token waited, on average, from the engine's own histograms:
+    before the engine (the client's mean TTFT less ``engine``: HTTP, ingress, Ray), in the
+    engine's queue for a slot, and from its slot's start to its first token (its prefill
+    step and the steps before it)."""
+    def mean(name: str) -> float:
+        n = d.get(name + "_count", 0.0)
+        return round(d.get(name + "_sum", 0.0) / n, 3) if n else 0.0
+
+    n = d.get("pgroups_time_to_first_token_seconds_count", 0.0)
+    return {"engine": mean("pgroups_time_to_first_token_seconds"), "queue": mean("pgroups_request_queue_time_seconds"),
+            "slot_to_first_token": round(d.get("pgroups_prompt_seconds_total", 0.0) / n, 3) if n else 0.0}
+
+
 def _load(base: str, c: Cell, seed: int):
     prompts = make_prompts(c.clients * c.requests_per_client, c.n_prompt, seed=seed, shared_prefix=c.shared_prefix)
     return run_http(base, prompts, c.clients, N_GEN)
@@ -137,6 +151,7 @@ def measure(base: str, c: Cell, ours: bool) -> dict:
             f["rows_per_step"] = round(d.get("pgroups_group_sampled_rows_total", 0) / steps, 1)
             local = 1000 * d.get("pgroups_group_decode_cpu_seconds_total", 0) / max(n_tok, 1)
             f["cpu_ms_per_token"]["local stage (in engine replica)"] = round(local, 3)
+            f["ttft_parts_s"] = ttft_parts(d)
             stage += local
         else:
             stage += f["cpu_ms_per_token"].get("llama-server", 0.0)  # its host path included

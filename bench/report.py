@@ -202,9 +202,22 @@ def headline_markdown(results: list[dict], meta: dict) -> str:
                   "|---|" + "---|" * len(full)]
         for role in roles:
             lines.append(f"| {role} | " + " | ".join(str(r["reps"][0]["cpu_ms_per_token"].get(role, "")) for r in full) + " |")
+    parts = [r for r in results if r["reps"][0].get("ttft_parts_s")]
+    if parts:
+        lines += ["", "Where the first token waits (mean seconds, first repetition): the client's TTFT, the part "
+                  "before the engine (HTTP, ingress, Ray), in the engine's queue for a slot, and from the slot's "
+                  "start to the first token:", "",
+                  "| cell | client TTFT mean | before the engine | queue | slot to first token |", "|---|---|---|---|---|"]
+        for r in parts:
+            rep = r["reps"][0]
+            tp = rep["ttft_parts_s"]
+            before = rep["ttft_mean_s"] - tp["engine"] if rep.get("ttft_mean_s") is not None else None
+            lines.append(f"| {r['name']} | {rep.get('ttft_mean_s', '')} | "
+                         f"{'' if before is None else f'{before:.3f}'} | {tp['queue']} | {tp['slot_to_first_token']} |")
     lines += ["", f"CPU bound: {cores} cores x 1,000 / the cell's CPU ms per token over all its processes (the "
               "table above); the share of it a cell reaches is its overlap: below it, a stage or the host path "
-              "waits.", "", f"Machine: {meta['machine']}; CPU: {meta.get('cpu', '?')}; model {meta['model']} ({meta['split']}); prompts {meta['n_prompt']} "
+              "waits.", "", f"Machine: {meta['machine']}; CPU: {meta.get('cpu', '?')}; pinned cells: {meta.get('layout', 'peer stage on core 0, local stage on 1')}; "
+              f"model {meta['model']} ({meta['split']}); prompts {meta['n_prompt']} "
               f"tokens (+ the shared prefix), {meta['n_gen']} generated, {meta['slots']} slots; "
               f"`{meta['command']}` took {meta['wall_s']} s."]
     return "\n".join(lines)

@@ -404,8 +404,8 @@ def wait_for_peer(timeout_s: float = 900) -> float:
 
 def serve_config(topology: str = "layer_split", model_name: str | None = None, **overrides: object) -> Path:
     """``deployments/configs/two-sparks.yaml`` for this bed: the default model (CPU), small
-    context and slots, one thread each, the HTTP proxy on the head's private address, and
-    llama.cpp's load log (layer placement) in the replicas' log files; in ``topology``, with
+    context and slots, one thread each, HTTP on the head's private address (the ingress serves
+    it itself), and llama.cpp's load log (layer placement) in the replicas' log files; in ``topology``, with
     ``overrides`` over the app's args."""
     cfg = yaml.safe_load(SERVE_TEMPLATE.read_text())
     cfg["http_options"]["host"] = HEAD.ip

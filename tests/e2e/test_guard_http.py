@@ -1,4 +1,4 @@
-"""The HTTP layer's own limits and browser safety over real sockets, through Serve's proxy:
+"""The HTTP layer's own limits and browser safety over real sockets, as the app is served:
 thousands of half-sent bodies from one address leave a plain request from another served and
 are closed by their deadline; foreign Hosts and Origins are refused; and over every route,
 generated bodies never get a 500."""
