@@ -226,7 +226,13 @@ def test_serve_run_in_the_replicas_topology_answers_from_both_nodes(bed):
     proc = tb.serve_run("replicas", log="serve-run-replicas.log")
     SERVING["proc"] = proc
     tb.wait_healthy(proc=proc, log="serve-run-replicas.log")
+    # healthy once the ingress holds an output stream from one engine; the other node's comes
+    # up within seconds (served directly, nothing else holds the first requests back)
+    deadline = time.monotonic() + 60
     got = answered_by(16)
+    while len(set(got["replicas"])) < 2 and time.monotonic() < deadline:
+        time.sleep(2)
+        got = answered_by(16)
     assert got["topology"]["topology"] == "replicas", got
     assert len(set(got["replicas"])) == 2, got  # one engine per node, both answer
     assert not rpc_server_pids(), "replicas run no RPC stage"
