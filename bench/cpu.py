@@ -15,8 +15,6 @@ from observability.process import cpu_seconds
 
 ROLES = (
     ("ray::ProxyActor", "serve proxy"),
-    ("ray::HAProxyManager", "serve proxy"),  # RAY_SERVE_ENABLE_HA_PROXY: the actor and haproxy itself
-    ("haproxy", "serve proxy"),
     ("ServeReplica:", "replica"),  # split below by deployment name
     ("ray::ServeController", "serve controller"),
     ("deployments.stage.server", "rpc stage"),

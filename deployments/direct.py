@@ -51,15 +51,14 @@ def listen(host: str, port: int) -> socket.socket:
 class DirectServer:
     """uvicorn serving ``app`` on this event loop, on a socket of its own."""
 
-    def __init__(self, app: Any, host: str, port: int, keep_alive_s: float = 5.0) -> None:
+    def __init__(self, app: Any, host: str, port: int) -> None:
         import uvicorn
 
-        self.host, self.port = host, port
         self.sock = listen(host, port)
         # proxy_headers off: the guard counts the socket's own peer, never an X-Forwarded-For a
         # client on loopback could write
         config = uvicorn.Config(app, lifespan="off", log_level=None, log_config=None, access_log=False,
-                                timeout_keep_alive=int(keep_alive_s), loop="none", proxy_headers=False)
+                                timeout_keep_alive=5, loop="none", proxy_headers=False)
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # the replica's process owns its signals
         self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]))
