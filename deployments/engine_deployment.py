@@ -37,6 +37,7 @@ from engine import (
 from engine.types import SHUTTING_DOWN
 from observability.metrics import EngineMetrics
 from observability.process import rss_bytes
+from observability.stacks import start_from_env
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class EngineDeployment:
         for name in ("engine", "deployments", "observability"):
             logging.getLogger(name).setLevel(logging.INFO)
         self._replica = _replica_tag()
+        self._stacks = start_from_env("engine")  # a developer's profile of the host path
         self._stage = None  # a pair's own stage actor; None: the app's shared one
         if pair_stage is not None:
             from deployments.stage.actor import start_pair_stage

@@ -47,6 +47,7 @@ from deployments.streams import IngressStreams, Pending, detached
 from engine.types import SHUTTING_DOWN, FinishReason, Output
 from observability.metrics import merge_exposition
 from observability.process import rss_bytes
+from observability.stacks import start_from_env
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +256,7 @@ class Ingress:
                                    **{k: tuple(v) if isinstance(v, list) else v for k, v in (guard or {}).items()})
         _CURRENT[:] = [self]
         self.http = DirectServer(app, *http) if http else None
+        self._stacks = start_from_env("ingress")  # a developer's profile of the host path
 
     @property
     def streams(self) -> dict[str, str]:
@@ -272,6 +274,8 @@ class Ingress:
         if self.http is not None:
             await self.http.stop(DIRECT_STOP_S)
         await self.out.close()
+        if self._stacks is not None:
+            self._stacks.stop()
 
     # ---- the request checks ------------------------------------------------------------------
 

@@ -1,0 +1,51 @@
+"""The in-process stack sampler charges CPU time to the stacks that used it, and none to idle threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from bench.host_profile import read_collapsed, summarise
+from observability.stacks import StackSampler, start_from_env
+
+
+def busy_leaf(stop: threading.Event) -> None:
+    while not stop.is_set():
+        sum(range(2000))
+
+
+def test_a_busy_thread_gets_the_cpu_time_and_an_idle_one_none(tmp_path: Path) -> None:
+    stop = threading.Event()
+    busy = threading.Thread(target=busy_leaf, args=(stop,), name="busy")
+    idle = threading.Thread(target=stop.wait, name="idle")
+    busy.start(), idle.start()
+    s = StackSampler(tmp_path / "p.txt", interval=0.002, flush_s=0.2).start()
+    t0 = time.thread_time()
+    time.sleep(1.0)
+    stop.set()
+    busy.join(), idle.join()
+    s.stop()
+    assert time.thread_time() - t0 < 0.1  # this thread slept
+    stacks = read_collapsed(tmp_path / "p.txt")
+    per_thread: Counter[str] = Counter()
+    for k, us in stacks.items():
+        per_thread[k.split(";")[0]] += us
+    assert per_thread["busy"] > 300_000  # most of the second it ran (the GIL shared with the sampler)
+    assert per_thread["idle"] < 1_000  # it only woke to end
+    assert any(k.startswith("busy;") and "busy_leaf (test_stacks.py:" in k.split(";")[-1] for k in stacks)
+    lines = summarise(Counter(), stacks, n_tokens=1000)
+    assert lines[0].startswith("sampled: ") and any("| busy |" in line for line in lines)
+
+
+def test_the_sampler_is_off_unless_asked_for(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("PGROUPS_STACKS", raising=False)
+    assert start_from_env("x") is None
+    monkeypatch.setenv("PGROUPS_STACKS", str(tmp_path / "d"))
+    s = start_from_env("x")
+    try:
+        assert s is not None and s.out.parent == tmp_path / "d"
+    finally:
+        s.stop()
+    assert s.out.exists()
