@@ -5,9 +5,10 @@ Ray nodes): every replica that calls ``start_from_env`` samples each thread's st
 ``interval`` seconds and charges it the CPU time the thread used since the last sample (its
 ``pthread_getcpuclockid`` clock), so idle threads weigh nothing; it rewrites
 ``<dir>/<role>-<pid>.txt`` every few seconds in the collapsed format flame-graph tools read
-(``frame;frame;frame microseconds``). Where an external profiler cannot attach (py-spy needs
-``process_vm_readv``), this runs inside the process. It costs the sampled process about 3 %
-of a core at the default interval; off unless asked for.
+(``frame;frame;frame microseconds``). Where an outside profiler cannot read the
+interpreter (py-spy 0.4.3 finds no Python version in some builds), this runs inside the
+process. It costs the sampled process about 3 % of a core at the default interval; off unless
+asked for.
 """
 
 from __future__ import annotations
