@@ -188,6 +188,12 @@ def run_llama_server(c: Cell) -> dict:
 
 
 def run_ours(stack, c: Cell) -> dict:  # noqa: ANN001 - bench.run.HttpStack
+    deploy_ours(stack, c)
+    return measure(stack.base, c, ours=True)
+
+
+def deploy_ours(stack, c: Cell) -> None:  # noqa: ANN001 - bench.run.HttpStack
+    """Serve cell ``c`` on ``stack``."""
     # replicas: the same slots and context in all, half on each node (its own whole model);
     # pinned, the local node's replica on the local core, the peer node's on the peer's core
     # single: one node alone, the whole model on its core, no stage (what a replica is on its own)
@@ -203,7 +209,6 @@ def run_ours(stack, c: Cell) -> dict:  # noqa: ANN001 - bench.run.HttpStack
         args.update(devices=None, peer_layers=None, rpc=None)
     place_the_rest(c.pinned)  # before the deploy: the new replica's processes inherit it
     stack.deploy(args)
-    return measure(stack.base, c, ours=True)
 
 
 def main(out: Path, only: str | None = None) -> list[dict]:

@@ -21,25 +21,17 @@ from pathlib import Path
 
 from bench import cpu
 from bench.clients import make_prompts, run_http
-from bench.headline import MODEL, SHAPE, Cell, _load, run_ours
+from bench.headline import MODEL, SHAPE, Cell, _load, deploy_ours
 from engine.synthetic_model import write_model
-from observability.stacks import ENV
+from observability.stacks import ENV, FLUSH_S, read_collapsed
 
 RESULTS = Path(__file__).resolve().parent / "results"
-FLUSH_WAIT_S = 6.0  # the sampler rewrites its file every 5 s
-
-
-def read_collapsed(path: Path) -> Counter[str]:
-    out: Counter[str] = Counter()
-    for line in path.read_text().splitlines():
-        stack, _, us = line.rpartition(" ")
-        out[stack] += int(us)
-    return out
+FLUSH_WAIT_S = FLUSH_S + 1  # each sampler has rewritten its file since
 
 
 def summarise(before: Counter[str], after: Counter[str], n_tokens: int, top: int = 15) -> list[str]:
     """Markdown lines: per thread, then the frames with the most self and inclusive time."""
-    d = Counter({k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)})
+    d = after - before  # the stacks' time between the two files
     per = 1000.0 * max(n_tokens, 1)  # microseconds -> ms per token
 
     def table(title: str, c: Counter[str]) -> list[str]:
@@ -76,13 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     c = Cell("pipeline-groups", groups=2)
     stack = HttpStack(ingress="direct")
     try:
-        import bench.headline as headline
-
-        measure, headline.measure = headline.measure, lambda base, cell, ours: {}
-        try:
-            run_ours(stack, c)  # deploy only
-        finally:
-            headline.measure = measure
+        deploy_ours(stack, c)
         run_http(stack.base, make_prompts(4, 8, seed=99), 4, 4)
         time.sleep(FLUSH_WAIT_S)
         before = {f.name: read_collapsed(f) for f in where.glob("*.txt")}

@@ -21,10 +21,11 @@ from collections import Counter
 from pathlib import Path
 
 ENV = "PGROUPS_STACKS"
+FLUSH_S = 5.0  # how often a sampler rewrites its file
 
 
 class StackSampler:
-    def __init__(self, out: Path, interval: float = 0.005, flush_s: float = 5.0) -> None:
+    def __init__(self, out: Path, interval: float = 0.005, flush_s: float = FLUSH_S) -> None:
         self.out, self.interval, self.flush_s = out, interval, flush_s
         self.weights: Counter[tuple] = Counter()  # (thread name, frames...) -> CPU seconds
         self._last: dict[int, float] = {}  # thread ident -> its CPU seconds at the last sample
@@ -43,6 +44,7 @@ class StackSampler:
     def sample(self) -> None:
         names = {t.ident: t.name for t in threading.enumerate()}
         me = threading.get_ident()
+        last, self._last = self._last, {}  # threads that ended drop out
         for ident, frame in sys._current_frames().items():
             if ident == me:
                 continue
@@ -50,7 +52,7 @@ class StackSampler:
                 used = time.clock_gettime(time.pthread_getcpuclockid(ident))
             except OSError:  # the thread ended
                 continue
-            before = self._last.get(ident)
+            before = last.get(ident)
             self._last[ident] = used
             if before is None or used <= before:
                 continue
@@ -91,3 +93,12 @@ def start_from_env(role: str) -> StackSampler | None:
         return None
     Path(where).mkdir(parents=True, exist_ok=True)
     return StackSampler(Path(where) / f"{role}-{os.getpid()}.txt").start()
+
+
+def read_collapsed(path: Path) -> Counter[str]:
+    """A sampler's file: each stack -> CPU microseconds."""
+    out: Counter[str] = Counter()
+    for line in path.read_text().splitlines():
+        stack, _, us = line.rpartition(" ")
+        out[stack] += int(us)
+    return out

@@ -7,8 +7,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from bench.host_profile import read_collapsed, summarise
-from observability.stacks import StackSampler, start_from_env
+from bench.host_profile import summarise
+from observability.stacks import StackSampler, read_collapsed, start_from_env
 
 
 def busy_leaf(stop: threading.Event) -> None:
