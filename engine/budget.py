@@ -18,9 +18,16 @@ worth it while the streams decoding outnumber the prompts waiting (one long prom
 many streams); when they do not (a burst of prompts, the first of which has begun to
 decode), every prompt goes whole, as llama-server does.
 
+A short prompt (at most ``prefill_long_tokens`` to evaluate) is not queued behind long ones:
+it claims a step's prompt tokens first (engine/planner.py, ``prompt_order``), and while one
+waits for its first token in any group, the steps of every group carry at most
+``beside_short`` tokens of long prompts, so that the short one's step, and the other groups'
+steps beside it on the shared stages, are quick. A long prompt held back ``aging`` steps in a
+row is exempt, so a stream of short prompts never starves it.
+
 One budget is shared by the engine's groups (they run the same model on the same stages);
-each group writes its own step times and its counts of generating rows and of prompts
-waiting, and reads the others'.
+each group writes its own step times and its counts of generating rows, of prompts waiting
+and of short prompts among them, and reads the others'.
 """
 
 from __future__ import annotations
@@ -29,11 +36,13 @@ EMA = 0.2  # weight of the newest step in the moving means
 
 
 class PrefillBudget:
-    def __init__(self, n_groups: int, stall: float | None, chunk_min: int) -> None:
+    def __init__(self, n_groups: int, stall: float | None, chunk_min: int, beside_short: int | None = None) -> None:
         self.stall = stall  # None: off (llama-server's behaviour)
         self.chunk_min = max(1, chunk_min)
+        self.beside_short = beside_short  # None: long prompts fill the step beside short ones
         self.decoding = [0] * n_groups  # generating rows per group, after its last step
         self.prompting = [0] * n_groups  # prompts with tokens to evaluate per group, likewise
+        self.short = [0] * n_groups  # short prompts among them (published when one starts too)
         self.t_decode: float | None = None  # seconds of a step without prompt tokens
         self.t_token: float | None = None  # seconds one prompt token adds to a step
 
@@ -57,6 +66,17 @@ class PrefillBudget:
         if self.t_decode is None or not self.t_token:
             return min(self.chunk_min, capacity)
         return max(self.chunk_min, min(capacity, int(self.stall * self.t_decode / self.t_token)))
+
+
+    def long_cut(self, group: int, n_short: int) -> int | None:
+        """The most tokens of long prompts the next step of ``group`` may carry beside short
+        prompts (``n_short`` wait in this group): ``beside_short`` while one waits in any group,
+        else None (no cut)."""
+        if self.beside_short is None:
+            return None
+        if n_short or any(k for g, k in enumerate(self.short) if g != group):
+            return self.beside_short
+        return None
 
 
 def _mean(old: float | None, new: float) -> float:

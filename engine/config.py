@@ -86,6 +86,20 @@ class EngineConfig(BaseModel):
         description="Chunked prefill applies to prompts with more tokens than this to evaluate; shorter "
         "ones are evaluated whole, as llama-server does, so their time to the first token is unchanged.",
     )
+    prefill_aging_steps: int = Field(
+        default=8, ge=0,
+        description="Short before long: a step's prompt tokens go first to the prompts with the fewest "
+        "tokens left to evaluate (in the order the slots became busy among equals); a prompt held back "
+        "(given fewer tokens than it would take first) this many steps in a row claims first, so a long "
+        "prompt is never starved. 0: in the order the slots became busy.",
+    )
+    prefill_beside_short: int | None = Field(
+        default=128, ge=1,
+        description="While a short prompt (at most prefill_long_tokens to evaluate) waits for its first "
+        "token in any group, a step carries at most this many tokens of long prompts, so that the short "
+        "one's step is quick; a long prompt held back prefill_aging_steps steps in a row is exempt. "
+        "None: long prompts fill the step beside short ones.",
+    )
     n_threads: int = Field(
         default=0, ge=0, description="Threads of the local compute device; 0 picks one per core [-t]."
     )
@@ -183,7 +197,20 @@ class EngineConfig(BaseModel):
         "when the chain allows it (no penalties, no logit bias); others sample on the host.",
     )
     max_queued_requests: int = Field(
-        default=256, ge=0, description="Requests that may wait for a slot; beyond them, HTTP 429."
+        default=256, ge=0,
+        description="Requests that may wait for any slot; beyond them, HTTP 429. Requests pinned to a "
+        "slot (id_slot) wait apart and do not count here (max_queued_per_slot).",
+    )
+    max_queued_per_slot: int = Field(
+        default=16, ge=0,
+        description="Requests pinned to one busy slot (llama-server's id_slot) that may wait for it; "
+        "beyond them, HTTP 429. They never hold back a request that any slot can take.",
+    )
+    queue_aging: int = Field(
+        default=8, ge=0,
+        description="Requests waiting for a slot start shortest first (fewest prompt tokens to evaluate "
+        "after an idle slot's cached prefix, first come first served among equals); one passed over "
+        "by this many later arrivals starts next. 0: first come, first served.",
     )
     slot_save_path: str | None = Field(
         default=None, description="Folder for slot save/restore files; None disables the actions."

@@ -122,9 +122,13 @@ class Engine:
                 similarity=config.slot_prompt_similarity,
                 share_prefix=sharing_on(config, self.model),
                 share_min=config.share_min_tokens,
+                max_queued_per_slot=config.max_queued_per_slot,
+                long_prompt=config.prefill_long_tokens,
+                aging=config.queue_aging,
             )
             # chunked prefill: one budget for the groups, which share the stages
-            self.prefill = PrefillBudget(config.pipeline_groups, config.prefill_stall, config.prefill_chunk_min)
+            self.prefill = PrefillBudget(config.pipeline_groups, config.prefill_stall, config.prefill_chunk_min,
+                                         config.prefill_beside_short)
             for g in range(config.pipeline_groups):
                 group = PipelineGroup(g, self.model, self.tokenizer, config, self.slots[g * per : (g + 1) * per],
                                       self._sink, self.scheduler.release, draft_model=self.draft_model,
@@ -227,7 +231,8 @@ class Engine:
         return self.embedder.embed(tokens), sum(len(t) for t in tokens)
 
     def submit(self, r: Request) -> None:
-        """Queue a request; raises ``QueueFullError`` when the wait queue is full."""
+        """Queue a request; raises ``QueueFullError`` when its wait queue is full (the one for any
+        slot, or its pinned slot's own)."""
         if self._closed:
             raise RuntimeError("engine is closed")
         if not all(g.alive for g in self.groups):

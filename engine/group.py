@@ -6,7 +6,7 @@ handled between two steps: a new request, a cancel, a slot save/restore/erase.
 
 A step is three parts on this thread, each its own unit: the planner (engine/planner.py)
 lays out what to compute (decode rows of generating slots first, then prompt chunks up to
-the batch's capacity, and the KV copies for slots waiting on a prefix) without a native
+the batch's capacity, shortest first, and the KV copies for slots waiting on a prefix) without a native
 write; the runner (engine/runner.py) owns the context, batch, drafter and prefix cache and
 turns the plan into logits, read once; the output processor (engine/processor.py) samples
 every row, verifies drafts, detokenises, checks stops and returns the step's ``Output``s and
@@ -31,7 +31,7 @@ from pathlib import Path
 from engine.budget import PrefillBudget
 from engine.config import EngineConfig
 from engine.native import Model, NativeError
-from engine.planner import draft_requests, generating, plan_start, plan_step, prompting
+from engine.planner import draft_requests, generating, n_short, plan_start, plan_step, prompting
 from engine.processor import OutputProcessor, final_output
 from engine.runner import Runner
 from engine.slots import Slot, SlotState, SlotView
@@ -237,6 +237,7 @@ class PipelineGroup:
             # its own sampler and text from now; its prompt's KV comes from the leader, and
             # its first token from the leader's logits
             self._begin_one(f, leader)
+        self._publish_load()  # a short prompt cuts the other groups' long chunks from their next step
 
     def _begin_one(self, r: Request, leader: Slot | None = None) -> Slot:
         s = self._by_id[r.slot_id]
@@ -254,10 +255,12 @@ class PipelineGroup:
         with prof.timed("draft"):
             drafts = self._drafts()
         with prof.timed("batch"):
+            cfg = self.config
             n_rows = len(generating(self.active))
             allowed = budget.tokens(self.index, n_rows, runner.capacity, len(prompting(self.active)))
-            plan = plan_step(self.active, drafts, runner.capacity, runner.n_ubatch, self.config.kv_unified,
-                             allowed, self.config.prefill_long_tokens)
+            cut = budget.long_cut(self.index, n_short(self.active, cfg.prefill_long_tokens))
+            plan = plan_step(self.active, drafts, runner.capacity, runner.n_ubatch, cfg.kv_unified,
+                             allowed, cfg.prefill_long_tokens, cut, cfg.prefill_aging_steps)
             runner.fill(plan)
         n_prompt = sum(len(e.tokens) for e in plan.entries if e.slot.state is SlotState.PROMPT)
         t0 = time.perf_counter()
@@ -293,6 +296,7 @@ class PipelineGroup:
         """What the other groups' chunked prefill reads of this one (engine/budget.py)."""
         self.budget.decoding[self.index] = len(generating(self.active))
         self.budget.prompting[self.index] = len(prompting(self.active))
+        self.budget.short[self.index] = n_short(self.active, self.config.prefill_long_tokens)
 
     def _drafts(self) -> dict[int, list[int]]:
         """This step's drafts (slot id -> tokens), when the group speculates this step."""

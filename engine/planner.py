@@ -1,8 +1,8 @@
 """The first part of a step: what a group computes next, as a typed plan. No native write.
 
 A plan holds, in batch order, the tokens each slot contributes (``Entry``: a generating
-slot's last token and its draft, then prompt chunks up to the batch's capacity, in the order
-the slots became busy), the rows sampled after the decode (``Row``: where a slot's logits
+slot's last token and its draft, then prompt chunks up to the batch's capacity, claimed
+shortest first: see ``prompt_order``), the rows sampled after the decode (``Row``: where a slot's logits
 are in the batch and in the logits read back) and the KV copies the decode makes due
 (``Copy``: a waiting slot takes its leader's prefix once the leader's KV holds it; an n > 1
 follower then samples its first token from the leader's row). The runner fills the
@@ -15,7 +15,7 @@ prefix it waits for); the runner carries it out (``Runner.begin``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.batching import Entry, count_ubatches, order_entries
@@ -61,13 +61,18 @@ class Plan:
     n_logits: int
     n_ubatches: int  # how llama.cpp will cut the batch (for the profiler)
     copies: list[Copy]
+    # the prompts that could take tokens, each with whether others held it back this step
+    turns: list[tuple[Slot, bool]] = field(default_factory=list)
 
     def advance(self) -> None:
         """The decode ran: each prompt is on by its chunk, each waiting slot has what its copy
-        gave (nothing when it failed: it evaluates its prompt itself, without a row now)."""
+        gave (nothing when it failed: it evaluates its prompt itself, without a row now); a
+        prompt held back counts one more step in a row, one that got its due counts none."""
         for e in self.entries:
             if e.slot.state is SlotState.PROMPT:
                 e.slot.n_prompt_done += len(e.tokens)
+        for s, held in self.turns:
+            s.n_passed = s.n_passed + 1 if held else 0
         for c in self.copies:
             c.dst.got_prefix(c.n if c.done else 0)
             if c.row is not None and not c.done:
@@ -105,6 +110,26 @@ def prompting(active: list[Slot]) -> list[Slot]:
     return [s for s in active if s.state is SlotState.PROMPT]
 
 
+def to_evaluate(s: Slot) -> int:
+    """The prompt tokens a slot's request evaluates itself: its prompt less what it reused."""
+    return len(s.req.prompt_tokens) - s.n_reused
+
+
+def n_short(active: list[Slot], long_prompt: int) -> int:
+    """The short prompts (at most ``long_prompt`` tokens to evaluate) waiting for their first
+    token that the step can serve (not those waiting for another slot's prefix)."""
+    return sum(1 for s in prompting(active) if not s.waiting and to_evaluate(s) <= long_prompt)
+
+
+def prompt_order(prompts: list[Slot], aging: int) -> list[Slot]:
+    """The order in which prompts claim a step's prompt tokens: those held back ``aging`` steps
+    in a row first, then the fewest tokens left to evaluate first; among equals, the order in
+    which the slots became busy. ``aging`` 0: that order alone (first come, first served)."""
+    if aging <= 0:
+        return prompts
+    return sorted(prompts, key=lambda s: (s.n_passed < aging, len(s.req.prompt_tokens) - s.n_prompt_done))
+
+
 def draft_requests(gen: list[Slot], spec: SpeculativeConfig, n_ctx_slot: int) -> list[tuple[Slot, list[int], int]]:
     """The generating slots that draft this step: (slot, its history, most draft tokens).
     None when more slots generate than the speculation's ``max_rows``."""
@@ -122,11 +147,15 @@ def draft_requests(gen: list[Slot], spec: SpeculativeConfig, n_ctx_slot: int) ->
 
 
 def plan_step(active: list[Slot], drafts: dict[int, list[int]], capacity: int, n_ubatch: int,
-              unified: bool, prompt_budget: int | None = None, long_prompt: int = 0) -> Plan:
+              unified: bool, prompt_budget: int | None = None, long_prompt: int = 0,
+              beside_short: int | None = None, aging: int = 0) -> Plan:
     """This step's work for the group's ``active`` slots (in the order they became busy);
     ``drafts`` maps a slot id to its draft tokens; ``capacity`` is the batch's size.
     ``prompt_budget`` (chunked prefill, engine/budget.py): the most tokens the step takes of
-    prompts with more than ``long_prompt`` tokens to evaluate; shorter ones go whole."""
+    prompts with more than ``long_prompt`` tokens to evaluate; shorter ones go whole.
+    Prompts claim tokens in ``prompt_order`` (``aging``); ``beside_short`` (a short prompt
+    waits in some group): the most tokens of long prompts, but for those held back ``aging``
+    steps in a row."""
     gen = generating(active)
     entries: list[Entry] = []
     free = capacity - len(gen)
@@ -134,20 +163,33 @@ def plan_step(active: list[Slot], drafts: dict[int, list[int]], capacity: int, n
         draft = drafts.get(s.id, ())[:free]
         free -= len(draft)
         entries.append(Entry(s, s.seq_id, len(s.cache_tokens), [s.last_token, *draft], True, list(draft)))
+    first = free  # what a prompt claiming first may take
     budget = free if prompt_budget is None else prompt_budget
-    for s in active:
-        if s.state is not SlotState.PROMPT or free == 0 or s.waiting:
-            continue
+    cut = beside_short
+    turns: list[tuple[Slot, bool]] = []
+    for s in prompt_order([s for s in prompting(active) if not s.waiting], aging):
         p = s.req.prompt_tokens
-        long = len(p) - s.n_reused > long_prompt
-        n = min(free, budget) if long else free
-        if n <= 0:
+        left = len(p) - s.n_prompt_done
+        long = to_evaluate(s) > long_prompt
+        due = min(left, first)  # what it would take first
+        n = min(left, free)
+        if long:
+            if prompt_budget is not None:
+                due = min(due, prompt_budget)
+            n = min(n, budget)
+            if cut is not None and not (aging > 0 and s.n_passed >= aging):
+                n = min(n, cut)
+        n = max(n, 0)
+        turns.append((s, n < due))
+        if n == 0:
             continue
         chunk = p[s.n_prompt_done : s.n_prompt_done + n]
-        free -= len(chunk)
+        free -= n
         if long:
-            budget -= len(chunk)
-        entries.append(Entry(s, s.seq_id, s.n_prompt_done, chunk, s.n_prompt_done + len(chunk) == len(p)))
+            budget -= n
+            if cut is not None:
+                cut -= n
+        entries.append(Entry(s, s.seq_id, s.n_prompt_done, chunk, s.n_prompt_done + n == len(p)))
     entries = order_entries(entries)
     rows: list[Row] = []
     n_tokens = n_logits = 0
@@ -157,7 +199,7 @@ def plan_step(active: list[Slot], drafts: dict[int, list[int]], capacity: int, n
             n_logits += 1 + len(e.draft)
         n_tokens += len(e.tokens)
     copies = _copies(entries, rows)
-    return Plan(entries, rows, n_tokens, n_logits, count_ubatches(entries, n_ubatch, unified), copies)
+    return Plan(entries, rows, n_tokens, n_logits, count_ubatches(entries, n_ubatch, unified), copies, turns)
 
 
 def _copies(entries: list[Entry], rows: list[Row]) -> list[Copy]:

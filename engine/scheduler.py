@@ -1,10 +1,17 @@
-"""Which request runs on which slot: the wait queue and the choice over all groups' slots.
+"""Which request runs on which slot: the wait queues and the choice over all groups' slots.
 
 The scheduler never touches a context. It knows each slot only through the ``SlotView``
 its group published when the slot last went idle, chooses by longest common prefix (else
 least recently used) over the idle slots of every group, and hands the request to the
 owning group as a message. Its lock is held only for bookkeeping, never across a native
 call or a wait on a group.
+
+Two kinds of request wait. One that any slot can take waits in the one queue, bounded by
+``max_queued``; when a slot frees, the waiting request with the fewest prompt tokens to
+evaluate (after an idle slot's cached prefix) starts first, and one passed over ``aging``
+times by later arrivals starts next. One pinned to a slot (``id_slot``) waits for that slot
+alone, in the slot's own queue, bounded by ``max_queued_per_slot``: it takes the slot before
+anyone else when the slot frees, and never holds back, nor counts against, the others.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from itertools import islice
 
 import numpy as np
 
@@ -22,6 +30,8 @@ from engine.types import FinishReason, Output, QueueFullError, Request
 
 # A prefix this close to the longest one counts as equal, so that the less busy group wins.
 NEAR_PREFIX = 0.9
+# The waiting requests weighed for a free slot (the oldest ones; aging moves the rest up).
+ADMIT_WINDOW = 64
 
 
 def choose_slot(
@@ -32,12 +42,14 @@ def choose_slot(
     busy: dict[int, set[int]] | None = None,
     held: dict[int, int] | None = None,
     min_shared: int = 1,
+    decoding: dict[int, int] | None = None,
+    long_prompt: int = 0,
 ) -> SlotView:
     """The slot for a new prompt.
 
     Longest common prefix with the slot's own cached tokens when it covers at least
     ``similarity`` of the prompt; among near-equal prefixes (and when no prefix is good
-    enough) the group with fewer busy slots, so that the groups share the load at any
+    enough) the group with the least load (below), so that the groups share it at any
     concurrency; then the slot that keeps the group's busy sequence ids consecutive (one
     micro-batch per step, see engine/batching.py); then least recently used.
     ``busy`` maps a group to the sequence ids of its busy slots.
@@ -47,14 +59,23 @@ def choose_slot(
     When that is at least ``min_shared`` tokens and clearly longer than any idle slot's own, it is weighed against balance: a
     group holding it counts one busy slot fewer, so it takes the request unless it is
     already busier than another group by two or more.
+
+    A group's load is its busy slots; for a prompt with more than ``long_prompt`` tokens to
+    evaluate on the slot (after what it reuses there), its streams decoding (``decoding``
+    maps a group to them) count once more, so that a long prompt goes where its chunks stall
+    the fewest streams (a prefix that saves work still wins first).
     """
     if not idle:
         raise ValueError("no idle slot")
     busy = busy or {}
+    decoding = decoding or {}
     n = len(prompt)
 
-    def n_busy(v: SlotView) -> int:
-        return len(busy.get(v.group, ()))
+    def load(v: SlotView, reused: int | None = None) -> int:
+        k = len(busy.get(v.group, ()))
+        if n - (lcp[v.id] if reused is None else reused) > long_prompt:
+            k += decoding.get(v.group, 0)
+        return k
 
     def new_runs(v: SlotView) -> int:
         seqs = busy.get(v.group, set())
@@ -72,14 +93,14 @@ def choose_slot(
     best_held = max(in_group.values())
     if enough(best) and best >= NEAR_PREFIX * best_held:
         near = [v for v in idle if lcp[v.id] >= NEAR_PREFIX * best]
-        return min(near, key=lambda v: (n_busy(v), -lcp[v.id], *rest(v)))
+        return min(near, key=lambda v: (load(v), -lcp[v.id], *rest(v)))
     if enough(best_held):
         def weighed(v: SlotView) -> tuple:
             h = in_group[v.group]
-            return (n_busy(v) - (h >= NEAR_PREFIX * best_held), -h, -lcp[v.id], *rest(v))
+            return (load(v, max(h, lcp[v.id])) - (h >= NEAR_PREFIX * best_held), -h, -lcp[v.id], *rest(v))
 
         return min(idle, key=weighed)
-    return min(idle, key=lambda v: (n_busy(v), *rest(v)))
+    return min(idle, key=lambda v: (load(v), *rest(v)))
 
 
 class Scheduler:
@@ -93,12 +114,17 @@ class Scheduler:
         similarity: float,
         share_prefix: bool = False,
         share_min: int = 1,
+        max_queued_per_slot: int | None = None,
+        long_prompt: int = 0,
+        aging: int = 0,
     ) -> None:
         self._lock = threading.Lock()
         self._views = {v.id: v for v in views}
         self._idle: set[int] = {v.id for v in views}
         self._last_used: dict[int, float] = {}
-        self._waiting: OrderedDict[str, Request] = OrderedDict()
+        self._waiting: OrderedDict[str, Request] = OrderedDict()  # for any slot
+        self._pinned: dict[int, OrderedDict[str, Request]] = {}  # slot -> the requests waiting for it
+        self._passed: dict[str, int] = {}  # a waiting request -> later arrivals started before it
         self._running: dict[str, Request] = {}
         self._slot_request: dict[int, str] = {}
         self._slot_prompt: dict[int, np.ndarray] = {}  # a busy slot's prompt: its KV will hold it
@@ -108,19 +134,34 @@ class Scheduler:
         self._cancel_running = cancel_running
         self._sink = sink
         self.max_queued = max_queued
+        self.max_queued_per_slot = max_queued if max_queued_per_slot is None else max_queued_per_slot
         self.similarity = similarity
+        self.long_prompt = long_prompt  # a prompt with more tokens to evaluate weighs decoding streams
+        self.aging = aging  # 0: first come, first served
         self.n_deferred_total = 0
 
     def submit(self, r: Request) -> None:
+        """Start ``r`` now or queue it; raises ``QueueFullError`` (HTTP 429) when its queue is
+        full: the one for any slot, or, pinned (``id_slot``), its slot's own."""
         with self._lock:
-            if not self._waiting and self._fits(r):
-                self._assign(r)
-                return
-            if len(self._waiting) >= self.max_queued:
-                raise QueueFullError(
-                    f"all {len(self._views)} slots are busy and {len(self._waiting)} requests wait"
-                )
-            self._waiting[r.id] = r
+            if r.id_slot >= 0:
+                q = self._pinned.get(r.id_slot)
+                if not q and r.id_slot in self._idle:
+                    self._assign(r)
+                    return
+                n = len(q or ())
+                if n >= self.max_queued_per_slot:
+                    raise QueueFullError(f"slot {r.id_slot} is busy and {n} requests wait for it")
+                self._pinned.setdefault(r.id_slot, OrderedDict())[r.id] = r
+            else:
+                if not self._waiting and self._fits(r):
+                    self._assign(r)
+                    return
+                if len(self._waiting) >= self.max_queued:
+                    raise QueueFullError(
+                        f"all {len(self._views)} slots are busy and {len(self._waiting)} requests wait"
+                    )
+                self._waiting[r.id] = r
             self.n_deferred_total += 1
             self._start_waiting()  # slots may be idle that the requests ahead cannot use
 
@@ -133,8 +174,6 @@ class Scheduler:
 
     def _fits(self, r: Request) -> bool:
         """Whether the request (with its followers, all in one group) can start now."""
-        if r.id_slot >= 0:
-            return r.id_slot in self._idle
         n = len(r.followers) + 1
         return any(len(vs) >= n for vs in self._idle_by_group().values())
 
@@ -142,9 +181,12 @@ class Scheduler:
         n = len(r.followers) + 1
         idle = [v for vs in self._idle_by_group().values() if len(vs) >= n for v in vs]
         busy: dict[int, set[int]] = {}
+        decoding: dict[int, int] = {}
         for sid in self._slot_request:
             b = self._views[sid]
             busy.setdefault(b.group, set()).add(b.seq_id)
+            if b.state == "generating":
+                decoding[b.group] = decoding.get(b.group, 0) + 1
         prompt = np.asarray(r.prompt_tokens, dtype=np.int32)
         if r.id_slot >= 0:
             v = self._views[r.id_slot]
@@ -153,7 +195,8 @@ class Scheduler:
             if self.share_prefix and r.cache_prompt:
                 held = group_prefixes([(w.group, w.cached_tokens) for w in self._views.values()]
                                       + [(self._views[sid].group, p) for sid, p in self._slot_prompt.items()], prompt)
-            v = choose_slot(idle, prompt, self._last_used, self.similarity, busy, held, self.share_min)
+            v = choose_slot(idle, prompt, self._last_used, self.similarity, busy, held, self.share_min,
+                            decoding, self.long_prompt)
         # followers: the group's other idle slots nearest in sequence id (one micro-batch)
         others = sorted((w for w in idle if w.group == v.group and w.id != v.id), key=lambda w: abs(w.seq_id - v.seq_id))
         for member, slot in zip(r.family, [v, *others], strict=False):
@@ -179,21 +222,54 @@ class Scheduler:
             self._start_waiting()
 
     def _start_waiting(self) -> None:
-        """First come, first served: a request waiting for several slots of one group holds
-        back the ones behind it until they are free; one waiting for a given busy slot
-        (``id_slot``) holds back none."""
-        for rid, r in list(self._waiting.items()):
-            if not self._idle:
+        """Each idle slot that requests are pinned to goes to the oldest of them; the other idle
+        slots to the requests for any slot, by ``_next_waiting``."""
+        for sid in [sid for sid in self._pinned if sid in self._idle]:
+            q = self._pinned[sid]
+            _, r = q.popitem(last=False)
+            if not q:
+                del self._pinned[sid]
+            self._assign(r)
+        while self._idle and self._waiting:
+            r = self._next_waiting()
+            if r is None:
                 return
-            if self._fits(r):
-                del self._waiting[rid]
-                self._assign(r)
-            elif r.id_slot < 0:
-                return
+            del self._waiting[r.id]
+            self._passed.pop(r.id, None)
+            self._assign(r)
+
+    def _next_waiting(self) -> Request | None:
+        """The waiting request to start now, of those that fit (a request waiting for several
+        slots of one group holds back the ones behind it until they are free): one passed over
+        ``aging`` times, the oldest first; else the one with the fewest prompt tokens to
+        evaluate, the oldest among equals. Those before it are passed over once more."""
+        fit: list[Request] = []
+        for r in islice(self._waiting.values(), ADMIT_WINDOW):
+            if not self._fits(r):
+                break
+            fit.append(r)
+        if len(fit) <= 1 or self.aging <= 0:
+            return fit[0] if fit else None
+        chosen = next((r for r in fit if self._passed.get(r.id, 0) >= self.aging), None)
+        if chosen is None:
+            cached = [self._views[i].cached_tokens for i in self._idle]
+            chosen = min(fit, key=lambda r: to_evaluate(r.prompt_tokens, cached))
+        for r in fit:
+            if r is chosen:
+                break
+            self._passed[r.id] = self._passed.get(r.id, 0) + 1
+        return chosen
 
     def cancel(self, request_id: str) -> bool:
         with self._lock:
             r = self._waiting.pop(request_id, None)
+            self._passed.pop(request_id, None)
+            if r is None:
+                for sid, q in self._pinned.items():
+                    if (r := q.pop(request_id, None)) is not None:
+                        if not q:
+                            del self._pinned[sid]
+                        break
             if r is None:
                 running = self._running.get(request_id)
                 if running is None:
@@ -210,6 +286,12 @@ class Scheduler:
             return [self._views[i] for i in sorted(self._views)]
 
     def counts(self) -> tuple[int, int]:
-        """(running, waiting)."""
+        """(running, waiting): waiting for any slot or for a pinned one."""
         with self._lock:
-            return len(self._running), len(self._waiting)
+            return len(self._running), len(self._waiting) + sum(len(q) for q in self._pinned.values())
+
+
+def to_evaluate(prompt: list[int], cached: list[np.ndarray]) -> int:
+    """The prompt tokens left to evaluate after the longest of the ``cached`` prefixes."""
+    p = np.asarray(prompt, dtype=np.int32)
+    return len(p) - max((common_prefix(c, p) for c in cached), default=0)

@@ -96,6 +96,8 @@ class Slot:
     # from the leader's row of the step that finishes that prompt
     on_leader_row: bool = False
     spec: SpecState = field(default_factory=SpecState)  # speculative decoding's back-off
+    # steps in a row its prompt got fewer tokens than it would have taken first (engine/planner.py)
+    n_passed: int = 0
 
     @property
     def waiting(self) -> bool:
@@ -115,6 +117,7 @@ class Slot:
         self.t_start = time.monotonic()
         self.t_first_token = 0.0
         self.saw_newline = False
+        self.n_passed = 0
         self.spec.reset()
         self.state = SlotState.PROMPT
         self.leader, self.n_from_leader, self.on_leader_row = leader, n_from_leader, on_leader_row
