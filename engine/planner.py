@@ -2,8 +2,8 @@
 
 A plan holds, in batch order, the tokens each slot contributes (``Entry``: a generating
 slot's last token and its draft, then prompt chunks up to the batch's capacity, claimed
-shortest first: see ``prompt_order``), the rows sampled after the decode (``Row``: where a slot's logits
-are in the batch and in the logits read back) and the KV copies the decode makes due
+shortest first: see ``prompt_order``), the rows sampled after the decode (``Row``: where a
+slot's logits are in the batch and in the logits read back) and the KV copies the decode makes due
 (``Copy``: a waiting slot takes its leader's prefix once the leader's KV holds it; an n > 1
 follower then samples its first token from the leader's row). The runner fills the
 ``llama_batch``, decodes and makes the copies; ``Plan.advance`` then moves every slot's prompt
