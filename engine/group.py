@@ -286,11 +286,13 @@ class PipelineGroup:
         for s in got.began:  # published once (/slots, the page)
             self.on_release(s.view(), False)
         self._publish_load()
+        # the step's figures are published before its outputs leave, so whoever reads an output
+        # finds the step that made it counted; the send's own time goes to the next snapshot
+        prof.end_step(got.n_sampled, plan.n_tokens, len(self.active) + len(got.endings),
+                      sum(len(s.cache_tokens) for s in self.slots), plan.n_ubatches, self.prefix.n_copied)
         with prof.timed("send"):
             if outs:
                 self.sink(outs)
-        prof.end_step(got.n_sampled, plan.n_tokens, len(self.active) + len(got.endings),
-                      sum(len(s.cache_tokens) for s in self.slots), plan.n_ubatches, self.prefix.n_copied)
 
     def _publish_load(self) -> None:
         """What the other groups' chunked prefill reads of this one (engine/budget.py)."""

@@ -63,8 +63,10 @@ def test_a_family_waits_for_free_slots_in_one_group_and_nothing_leaks(make_engin
     fam = e.make_request(PROMPT, SamplingParams(temperature=0, max_tokens=4), n=2)
     q = [e.outputs.register(m.id) for m in fam.family]
     e.submit(fam)
-    time.sleep(0.3)
-    assert e.scheduler.counts()[1] == 1  # waiting
+    deadline = time.monotonic() + 30
+    while e.scheduler.counts()[1] != 1:  # the family waits (for two free slots of one group)
+        assert time.monotonic() < deadline, e.scheduler.counts()
+        time.sleep(0.01)
     e.cancel(blockers[0].id)
     finals = []
     for qq in q:

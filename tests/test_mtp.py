@@ -7,7 +7,6 @@ rollback exercised). Greedy output is the same with MTP on and off, for 1, 2 and
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -50,7 +49,6 @@ def make_mtp(mtp_models):
 
 
 def totals(e) -> tuple[int, int, int]:
-    time.sleep(0.05)  # a group publishes its figures after the step's outputs
     ps = e.profiles()
     return sum(p.drafts for p in ps), sum(p.drafted for p in ps), sum(p.accepted for p in ps)
 

@@ -10,29 +10,35 @@ from pathlib import Path
 from bench.host_profile import summarise
 from observability.stacks import StackSampler, read_collapsed, start_from_env
 
+BUSY_CPU_S = 0.6
 
-def busy_leaf(stop: threading.Event) -> None:
-    while not stop.is_set():
+
+def busy_leaf(used: list[float]) -> None:
+    """Spins until it has had BUSY_CPU_S of CPU, however long a loaded box takes to give it."""
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < BUSY_CPU_S:
         sum(range(2000))
+    used.append(time.thread_time() - t0)
 
 
 def test_a_busy_thread_gets_the_cpu_time_and_an_idle_one_none(tmp_path: Path) -> None:
     stop = threading.Event()
-    busy = threading.Thread(target=busy_leaf, args=(stop,), name="busy")
-    idle = threading.Thread(target=stop.wait, name="idle")
-    busy.start(), idle.start()
+    used: list[float] = []
     s = StackSampler(tmp_path / "p.txt", interval=0.002, flush_s=0.2).start()
+    busy = threading.Thread(target=busy_leaf, args=(used,), name="busy")
+    idle = threading.Thread(target=stop.wait, name="idle")
     t0 = time.thread_time()
-    time.sleep(1.0)
+    busy.start(), idle.start()
+    busy.join()
     stop.set()
-    busy.join(), idle.join()
+    idle.join()
     s.stop()
     assert time.thread_time() - t0 < 0.1  # this thread slept
     stacks = read_collapsed(tmp_path / "p.txt")
     per_thread: Counter[str] = Counter()
     for k, us in stacks.items():
         per_thread[k.split(";")[0]] += us
-    assert per_thread["busy"] > 300_000  # most of the second it ran (the GIL shared with the sampler)
+    assert per_thread["busy"] > used[0] * 1e6 / 2  # most of the CPU it had (a thread's clock, sampled)
     assert per_thread["idle"] < 1_000  # it only woke to end
     assert any(k.startswith("busy;") and "busy_leaf (test_stacks.py:" in k.split(";")[-1] for k in stacks)
     lines = summarise(Counter(), stacks, n_tokens=1000)

@@ -90,10 +90,13 @@ def test_a_second_chat_runs_while_the_first_streams(page):
     send(page, "first, long", 100_000)  # runs to its slot's end: 512 tokens here
     page.click("[data-testid=new-chat]")
     send(page, "second, short", 8)
-    assert page.locator("li.streaming").count() == 2  # both stream at once
     stats = last_answer(page).locator("[data-testid=stats]")
     stats.wait_for(timeout=60_000)
     assert "tokens/s" in stats.inner_text() and "cached" in stats.inner_text(), stats.inner_text()
+    # both streamed at once: the second ended while the first, which cannot end before 512
+    # tokens (ignore_eos), still streams; checked on the state, not on how fast 8 tokens come
+    first = page.locator("[data-testid=conversation]").nth(1)
+    assert "streaming" in (first.get_attribute("class") or ""), first.get_attribute("class")
     page.locator("[data-testid=conversation]").nth(1).click()  # the first: its text is there
     assert len(last_answer(page).inner_text()) > 20
     if page.is_enabled("[data-testid=stop]"):
