@@ -29,7 +29,7 @@ FLAGS_ID := $(shell echo '$(CMAKE_FLAGS)' | md5sum | cut -c1-8)
 WHEEL_DIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)-$(FLAGS_ID)
 STAMP := $(VENV)/.installed-$(LLAMA_VARIANT)-$(FLAGS_ID)
 
-.PHONY: install wheel model model-synthetic browser serve test test-fast test-cluster lint bench bench-spec bench-prefix bench-long bench-host bench-scale llama-server cluster-up cluster-down clean
+.PHONY: install wheel model model-synthetic browser serve test test-fast test-cluster lint docs bench bench-spec bench-prefix bench-long bench-host bench-scale llama-server cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -108,6 +108,10 @@ test-cluster: install model
 
 lint: install
 	$(VENV)/bin/ruff check engine deployments cluster observability bench tests
+
+# The configuration reference in docs/configuration.md, generated from the config models
+docs: install
+	$(PY) -m deployments.reference
 
 # Speculative decoding on the real model: where it pays (bench/speculative.py, ~25 minutes)
 bench-spec: install model
