@@ -17,6 +17,8 @@ import logging
 import socket
 from typing import Any
 
+from deployments.guard import KeepsRequestTarget
+
 log = logging.getLogger(__name__)
 
 
@@ -53,12 +55,14 @@ class DirectServer:
 
     def __init__(self, app: Any, host: str, port: int) -> None:
         import uvicorn
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
         self.sock = listen(host, port)
         # proxy_headers off: the guard counts the socket's own peer, never an X-Forwarded-For a
-        # client on loopback could write
+        # client on loopback could write; the protocol hands the guard the whole request target
+        protocol = type("Protocol", (KeepsRequestTarget, HttpToolsProtocol), {})
         config = uvicorn.Config(app, lifespan="off", log_level=None, log_config=None, access_log=False,
-                                timeout_keep_alive=5, loop="none", proxy_headers=False)
+                                timeout_keep_alive=5, loop="none", proxy_headers=False, http=protocol)
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # the replica's process owns its signals
         self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]))

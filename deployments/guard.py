@@ -1,6 +1,12 @@
 """The HTTP layer's own limits and browser safety, as one ASGI middleware in front of every
 route: what no request gets past, whatever its route.
 
+- **One reading of Host and Origin.** A request has one ``Host`` of the form ``host[:port]``
+  and at most one ``Origin`` that is a serialized origin (``scheme://host[:port]``, or
+  ``null``), as a browser writes them; an absolute-form request target
+  (``POST http://host/path``) is judged by its own host, which RFC 9112 (§3.2.2) says wins over
+  ``Host``. Anything else is a 400 before any other check, so no two readers of a request (this
+  guard, a route, a proxy in front) can take it for different hosts.
 - **Browser safety.** Served on a loopback address without an API key, only loopback
   ``Host`` names are answered (a page the user visits cannot reach the server through DNS
   rebinding); a request from a foreign ``Origin`` is refused unless the config lists that
@@ -23,11 +29,12 @@ import asyncio
 import ipaddress
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote
 
 from deployments.api.base import ErrorShape, openai_error
 
@@ -63,27 +70,137 @@ def is_loopback_host(name: str) -> bool:
         return False
 
 
+# a host as a browser writes it in Host and Origin: a DNS name or an IPv4 address (labels of
+# letters, digits, "-" and "_", one dot at most at the end), or an IPv6 address in brackets;
+# never userinfo ("a@b"), percent-escapes, spaces or any other character RFC 3986's reg-name allows
+MAX_HOST_CHARS = 255
+_NAME = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*\.?")
+_PORT = re.compile(r"[0-9]{1,5}")
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
+_ABSOLUTE_TARGET = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<authority>[^/?#]*)(?P<path>/[^?#]*)?")
+
+
+def parse_authority(text: str) -> tuple[str, int | None] | None:
+    """``(host, port)`` of ``host[:port]`` (RFC 9110's ``uri-host [":" port]`` as browsers write
+    it: no userinfo, a port of 1 to 65535 when there is a colon), the host lowercased and an IPv6
+    address without its brackets; None: not that form."""
+    if not text or len(text) > MAX_HOST_CHARS + 7:
+        return None
+    if text.startswith("["):
+        end = text.find("]")
+        host, rest = text[1:end], text[end + 1:]
+        if end < 0 or "%" in host:  # no zone ids: a browser never writes one
+            return None
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return None
+    else:
+        host, colon, port_text = text.partition(":")
+        rest = colon + port_text
+        if len(host) > MAX_HOST_CHARS or not _NAME.fullmatch(host):
+            return None
+    if not rest:
+        return host.lower(), None
+    if rest[0] != ":" or not _PORT.fullmatch(rest[1:]) or not 0 < int(rest[1:]) < 65536:
+        return None
+    return host.lower(), int(rest[1:])
+
+
+def parse_origin(text: str) -> tuple[str, str, int | None] | None:
+    """``(scheme, host, port)`` of a serialized origin (``scheme://host[:port]``: no path, no
+    trailing slash, no userinfo), lowercased; None: not one (``null`` neither: it has no host)."""
+    scheme, sep, authority = text.partition("://")
+    if not sep or not _SCHEME.fullmatch(scheme):
+        return None
+    parsed = parse_authority(authority)
+    return (scheme.lower(), *parsed) if parsed is not None else None
+
+
 def _host_name(host: str) -> str:
     """The name of a ``Host`` header (``[::1]:8000`` -> ``::1``, ``a:80`` -> ``a``)."""
-    if host.startswith("["):
-        return host[1:].split("]", 1)[0]
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    parsed = parse_authority(host)
+    return parsed[0] if parsed is not None else host.lower()
 
 
 def same_origin(origin: str, host: str) -> bool:
     """Whether ``origin`` is this server's own (the page ``/`` serves): its host and port are
-    the request's ``Host``."""
-    try:
-        parts = urlsplit(origin)
-    except ValueError:
+    the request's ``Host`` (a port left out is the origin's scheme's default)."""
+    o, h = parse_origin(origin), parse_authority(host)
+    if o is None or h is None or o[0] not in ("http", "https"):
         return False
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        return False
-    default = {"http": "80", "https": "443"}[parts.scheme]
-    def norm(netloc: str) -> str:
-        netloc = netloc.lower()
-        return netloc if netloc.rsplit(":", 1)[-1].isdigit() and not netloc.endswith("]") else f"{netloc}:{default}"
-    return norm(parts.netloc) == norm(host)
+    default = {"http": 80, "https": 443}[o[0]]
+    return (o[1], o[2] or default) == (h[0], h[1] or default)
+
+
+@dataclass(frozen=True)
+class Addressed:
+    """What a request names as its server, read once: the authority it is judged by (the
+    absolute-form target's, else the ``Host``'s, "" when an HTTP/1.0 request has none), its
+    ``Origin`` (None: none sent), and the scope the app gets (an absolute-form target's path
+    made origin-form)."""
+
+    authority: str
+    origin: str | None
+    scope: dict
+
+
+def _header_values(scope: dict, name: bytes) -> list[str]:
+    return [v.decode("latin-1") for k, v in scope.get("headers") or () if k.lower() == name]
+
+
+def addressed(scope: dict) -> Addressed:
+    """The request's Host, Origin and target, each in the one form a browser writes, or
+    ``_Refused(400)`` saying what is wrong.
+
+    An absolute-form target comes as uvicorn's h11 protocol hands it (``raw_path`` and ``path``
+    the whole target), or from the direct ingress's httptools protocol (``raw_path`` the whole
+    target, ``path`` its path: ``KeepsRequestTarget``); behind Serve's proxy the proxy's parser
+    has dropped its host before the request gets here, and it is judged by its ``Host``."""
+    hosts, origins = _header_values(scope, b"host"), _header_values(scope, b"origin")
+    if len(hosts) > 1:
+        raise _Refused(400, f"the request has {len(hosts)} Host headers; one is allowed")
+    if len(origins) > 1:
+        raise _Refused(400, f"the request has {len(origins)} Origin headers; one is allowed")
+    if not hosts and scope.get("http_version", "1.1") not in ("1.0", "0.9"):
+        raise _Refused(400, "the request has no Host header (HTTP/1.1 requires one)")
+    host = hosts[0] if hosts else None
+    if host is not None and parse_authority(host) is None:
+        raise _Refused(400, f"the Host {host[:200]!r} is not host[:port] (a name or an address, and a port "
+                       "from 1 to 65535)")
+    origin = origins[0] if origins else None
+    if origin is not None and origin != "null" and parse_origin(origin) is None:
+        raise _Refused(400, f"the Origin {origin[:200]!r} is not a serialized origin (scheme://host[:port])")
+    root = scope.get("root_path", "") or ""
+    raw = scope.get("raw_path") or scope.get("path", "").encode("latin-1", "replace")
+    if root and raw.startswith(root.encode("latin-1", "replace")):  # uvicorn puts root_path before any target
+        raw = raw[len(root.encode("latin-1", "replace")):]
+    if not raw or raw.startswith(b"/"):
+        return Addressed(host or "", origin, scope)
+    target = raw.decode("latin-1")
+    m = _ABSOLUTE_TARGET.fullmatch(target)
+    if m is None or m["scheme"].lower() not in ("http", "https") or parse_authority(m["authority"]) is None:
+        raise _Refused(400, f"the request target {target[:200]!r} is neither a path nor http(s)://host[:port]/path")
+    path = m["path"] or "/"
+    scope = {**scope, "path": root + unquote(path), "raw_path": root.encode("latin-1", "replace") + path.encode("latin-1")}
+    return Addressed(m["authority"], origin, scope)
+
+
+class KeepsRequestTarget:
+    """A mixin for uvicorn's httptools protocol (the direct ingress's, ``deployments.direct``):
+    a request target that is not a path (``http://host/path``, ``*``) reaches the scope whole in
+    ``raw_path``, as uvicorn's h11 protocol hands it, where httptools would keep its path only
+    and the guard could not judge its host."""
+
+    url: bytes
+    scope: dict
+
+    def on_headers_complete(self) -> None:
+        target = self.url
+        super().on_headers_complete()  # type: ignore[misc]
+        if not target.startswith(b"/") and "raw_path" in self.scope:
+            root = (self.scope.get("root_path") or "").encode("latin-1", "replace")
+            self.scope["raw_path"] = root + target.partition(b"?")[0]
 
 
 class _Refused(Exception):
@@ -108,12 +225,18 @@ class Guard:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or ()}
-        origin = headers.get("origin")
+        path = scope.get("path", "")
+        try:
+            named = addressed(scope)
+        except _Refused as e:  # a request no browser sends: no answer on its connection after this one
+            await self._refuse(s, send, path, e, None, close=True)
+            return
+        scope, origin = named.scope, named.origin
         path = scope.get("path", "")
         cors = self._cors(s, origin)
         try:
-            self._check_host(s, scope, headers, path)
-            if origin is not None and not same_origin(origin, headers.get("host", "")) and cors is None:
+            self._check_host(s, scope, named.authority, path)
+            if origin is not None and not same_origin(origin, named.authority) and cors is None:
                 raise _Refused(403, f"requests from the origin {origin[:200]!r} are refused: a web page may not "
                                "use this server unless its config lists the origin in cors_origins")
             if scope["method"] == "OPTIONS" and origin is not None and "access-control-request-method" in headers:
@@ -159,14 +282,14 @@ class Guard:
     # ---- the checks --------------------------------------------------------------------------
 
     @staticmethod
-    def _check_host(s: GuardSettings, scope: dict, headers: dict[str, str], path: str) -> None:
+    def _check_host(s: GuardSettings, scope: dict, authority: str, path: str) -> None:
         """No API key and reached on a loopback address: only loopback Host names (or listed ones)."""
         if not s.keyless or path in EXEMPT_PATHS:
             return
         server = (scope.get("server") or ("", 0))[0] or ""
         if not is_loopback_host(str(server)):
             return
-        name = _host_name(headers.get("host", "")).lower()
+        name = _host_name(authority)
         if is_loopback_host(name) or name in s.allowed_hosts or "*" in s.allowed_hosts:
             return
         raise _Refused(403, f"the Host {name[:200]!r} is not served: without an api_key this server answers "
@@ -219,14 +342,13 @@ class Guard:
             parts.append(chunk)
             if not message.get("more_body", False):
                 break
-        body = b"".join(parts)
-        given = False
+        held = [b"".join(parts)]
 
         async def replay() -> dict:
-            nonlocal given
-            if not given:
-                given = True
-                return {"type": "http.request", "body": body, "more_body": False}
+            # handed over once and not kept: this closure lives as long as the request (a stream's
+            # whole life), and the route drops the body once it has parsed it
+            if held:
+                return {"type": "http.request", "body": held.pop(), "more_body": False}
             return await receive()
 
         return replay

@@ -192,6 +192,79 @@ def test_llama_servers_utility_endpoints(model_path):
     run(model_path, body)
 
 
+# what llama-server writes in /props default_generation_settings.params with its defaults
+# (tools/server/server-task.cpp, task_params::to_json(only_metrics), ggml-org/llama.cpp at 00efb3e1):
+# a client synced with it (its web UI) may send these back to this server as they are
+LLAMA_SERVER_PARAMS = {
+    "seed": 4294967295, "temperature": 0.8, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "top_k": 40,
+    "top_p": 0.95, "min_p": 0.05, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
+    "typical_p": 1.0, "repeat_last_n": 64, "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1, "mirostat": 0,
+    "mirostat_tau": 5.0, "mirostat_eta": 0.1, "max_tokens": -1, "n_predict": -1, "n_keep": 0, "n_discard": 0,
+    "ignore_eos": False, "stream": True, "n_probs": 0, "min_keep": 0, "chat_format": "Content-only",
+    "reasoning_format": "auto", "reasoning_in_content": False, "thinking_forced_open": False,
+    "samplers": ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"],
+    "speculative.n_max": 16, "speculative.n_min": 0, "speculative.p_min": 0.75, "speculative.type": "none",
+    "speculative.ngram_size_n": 12, "speculative.ngram_size_m": 48, "speculative.ngram_m_hits": 1,
+    "timings_per_token": False, "post_sampling_probs": False, "backend_sampling": False, "lora": [],
+}
+# and what its /slots and answers' generation_settings add (task_params::to_json())
+LLAMA_SERVER_SLOT_PARAMS = {**LLAMA_SERVER_PARAMS, "dry_sequence_breakers": ["\n", ":", "\"", "*"], "stop": [],
+                            "logit_bias": [], "grammar": "", "grammar_lazy": False, "grammar_triggers": [],
+                            "preserved_tokens": []}
+
+
+def test_props_params_sent_back_are_served_with_their_meaning(model_path):
+    """Every field of /props default_generation_settings.params, ours and llama-server's, sent
+    back through /completion and chat as it was written: each one known (strict_request_fields
+    would refuse another), each meaning what it meant there (the server's default sampling:
+    seed 4294967295 random, n_probs 0 no probabilities, the default chain named in full), and
+    the request served."""
+    from deployments.api.base import BodyError, read_request
+    from deployments.api.llama import LlamaCompletionRequest
+    from deployments.api.openai import ChatCompletionRequest
+    from engine.params import SamplingParams
+
+    routes = ((LlamaCompletionRequest, {"prompt": "hi"}),
+              (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]}))
+
+    async def body(d: Any) -> None:
+        ours = (await d.props())["default_generation_settings"]["params"]
+        n_ctx, spec = d.engine.n_ctx_slot, d.config.speculative is not None
+        seed = d.config.seed if d.config.seed >= 0 else None
+        written = [(ours, SamplingParams(max_tokens=n_ctx, seed=seed, speculative=spec)),
+                   (LLAMA_SERVER_PARAMS, SamplingParams(max_tokens=n_ctx, speculative=False)),  # its type: none
+                   (LLAMA_SERVER_SLOT_PARAMS, SamplingParams(max_tokens=n_ctx, speculative=False))]
+        assert ours["seed"] == 4294967295 and ours["n_probs"] == 0 and ours["samplers"]
+        stream = await connect(d, "ingress-1", "c")
+        for i, (params, meant) in enumerate(written):
+            for model, extra in routes:
+                req, unknown = read_request(model, {**params, **extra}, strict=True)
+                assert unknown == [] and req.stream is True and req.n_logprobs() is None, (model, unknown)
+                assert req.sampling(n_ctx) == meant, (model, i, req.sampling(n_ctx))
+                rid = f"r{i}-{model.__name__}"
+                res = await d.submit("c", rid, req)  # until the slot is full (n_predict -1): cut once it runs
+                assert isinstance(res, Submitted) and res.n_predict > 0, res
+                while rid not in {o.request_id for o in await next_outputs(stream)}:
+                    pass
+                assert await d.cancel(rid)
+        await stream.aclose()
+        for _ in range(200):
+            if d.tables()["running"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert d.tables()["running"] == 0
+        # the meanings that differ from the defaults: a seed is kept, n_probs > 0 gives probabilities,
+        # a draft of 0 tokens is no draft; adapters and lazy grammars this server cannot honour are a 400
+        req = read_request(LlamaCompletionRequest, {"prompt": "x", "seed": 7, "n_probs": 2, "speculative.n_max": 0})[0]
+        assert req.sampling(8).seed == 7 and req.sampling(8).logprobs == 2 and req.sampling(8).speculative is False
+        for bad in ({"lora": [{"id": 0, "scale": 1.0}]}, {"grammar_lazy": True}, {"seed": 4294967296}):
+            with pytest.raises(BodyError):
+                read_request(LlamaCompletionRequest, {"prompt": "x", **bad})
+
+    run(model_path, body)
+
+
 class _EngineHandle:
     """Stands in for the ingress's handle to the engine: each output stream says hello, then
     lives until ``drop()`` ends it the way a dying replica does; info() answers healthy."""

@@ -9,6 +9,7 @@ another exception; the shapers write with ``dumps``, which cannot write NaN or I
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -83,6 +84,13 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+@functools.cache
+def _body_names(cls: type[BaseModel]) -> frozenset[str]:
+    """The names a body gives ``cls``'s fields: each field's alias (llama-server's
+    ``speculative.n_max``), else its name."""
+    return frozenset(f.alias or name for name, f in cls.model_fields.items())
+
+
 class ApiModel(BaseModel):
     """A request body read as llama-server and vLLM read theirs: a field it does not know is
     set aside (its name, cut to ``MAX_FIELD_NAME`` characters, goes to the validation
@@ -96,7 +104,7 @@ class ApiModel(BaseModel):
     def _lenient(cls, data: Any, info: ValidationInfo) -> Any:
         if not isinstance(data, dict):
             return data
-        known = cls.model_fields
+        known = _body_names(cls)
         unknown = [k for k in data if k not in known]
         names = info.context.get("unknown") if info.context is not None else None
         if unknown and names is not None:

@@ -12,7 +12,7 @@ from pydantic import Field, field_validator
 
 from deployments.api.base import ApiModel
 from engine.grammar import JSON_OBJECT_SCHEMA, GrammarSpec, check_source
-from engine.params import SAMPLER_NAMES, SamplingParams
+from engine.params import SAMPLER_NAMES, SAMPLER_ORDER, SamplingParams
 
 
 def sampling_field(name: str) -> Any:
@@ -22,6 +22,9 @@ def sampling_field(name: str) -> Any:
               if getattr(m, k, None) is not None}
     return Field(default=None, description=f.description, **bounds)
 
+
+# llama-server's seed for "random" (LLAMA_DEFAULT_SEED, what its /props writes when no seed is set)
+RANDOM_SEED = 0xFFFFFFFF
 
 # llama-server's one-letter sampler names (its `samplers` string)
 SAMPLER_LETTERS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p",
@@ -107,6 +110,43 @@ class GenerationRequest(ApiModel):
                                               "fields of /completion's and /infill's answer ('a/b' takes b out of a).")
     post_sampling_probs: bool | None = Field(default=None, description="llama-server's: with n_probs, the "
                                              "probabilities after the sampler chain (prob, top_probs).")
+    # the rest of what llama-server writes in /props default_generation_settings.params (and in
+    # its /slots), so that a client can send those settings back as they are
+    backend_sampling: bool | None = Field(default=None, description="llama-server's per-request switch (accepted; "
+                                          "the engine's backend_sampling decides).")
+    n_discard: int | None = Field(default=None, ge=0, description="llama-server's context-shift discard (accepted; "
+                                  "a prompt longer than the slot is refused, never shifted).")
+    chat_format: int | str | None = Field(default=None, description="llama-server's output parser (accepted; this "
+                                          "server reads tool calls and thinking by its own parser).")
+    reasoning_in_content: bool | None = Field(default=None, description="llama-server's (accepted; it follows from "
+                                              "reasoning_format).")
+    thinking_forced_open: bool | None = Field(default=None, description="llama-server's (accepted; the thinking split "
+                                              "follows from the template and the prompt).")
+    speculative_n_max: int | None = Field(default=None, alias="speculative.n_max", description="llama-server's "
+                                          "most tokens drafted: 0 drafts nothing for this request (as speculative "
+                                          "false); more: the server's configured draft bounds apply.")
+    speculative_n_min: int | None = Field(default=None, alias="speculative.n_min", description="llama-server's "
+                                          "(accepted; the server's configured draft bounds apply).")
+    speculative_p_min: float | None = Field(default=None, alias="speculative.p_min", description="llama-server's "
+                                            "(accepted; the server's configured draft bounds apply).")
+    speculative_type: str | None = Field(default=None, alias="speculative.type", max_length=64, description="llama-"
+                                         "server's drafter: none drafts nothing for this request; another: the "
+                                         "server's configured drafter applies.")
+    speculative_ngram_size_n: int | None = Field(default=None, alias="speculative.ngram_size_n",
+                                                 description="llama-server's (accepted; the configured drafter's).")
+    speculative_ngram_size_m: int | None = Field(default=None, alias="speculative.ngram_size_m",
+                                                 description="llama-server's (accepted; the configured drafter's).")
+    speculative_ngram_m_hits: int | None = Field(default=None, alias="speculative.ngram_m_hits",
+                                                 description="llama-server's (accepted; the configured drafter's).")
+    lora: list[dict[str, Any]] | None = Field(default=None, max_length=64, description="llama-server's LoRA "
+                                              "adapters [{id, scale}]: empty (none); this server loads none, so an "
+                                              "adapter is a 400.")
+    grammar_lazy: bool | None = Field(default=None, description="llama-server's grammar applied from a trigger on: "
+                                      "false (a grammar from the start); true is a 400 (not supported).")
+    grammar_triggers: list[Any] | None = Field(default=None, max_length=64, description="llama-server's lazy "
+                                               "grammar's triggers: only with grammar_lazy, which is not supported.")
+    preserved_tokens: list[str] | None = Field(default=None, max_length=256, description="llama-server's tokens "
+                                               "a lazy grammar keeps whole (accepted; nothing to keep without one).")
     # accepted and ignored, as OpenAI's API defines them for what this server does not keep
     user: str | None = None
     store: bool | None = None
@@ -127,8 +167,29 @@ class GenerationRequest(ApiModel):
     @field_validator("seed", mode="before")
     @classmethod
     def _random_seed(cls, v: object) -> object:
-        """llama-server's seed -1 (SillyTavern sends it): a random seed, as no seed."""
-        return None if v == -1 else v
+        """llama-server's random seed, as no seed: -1 (SillyTavern sends it) and 4294967295
+        (LLAMA_DEFAULT_SEED, what llama-server's and this server's /props write)."""
+        return None if v in (-1, RANDOM_SEED) and not isinstance(v, bool) else v
+
+    @field_validator("n_probs", mode="before")
+    @classmethod
+    def _no_probs(cls, v: object) -> object:
+        """llama-server's n_probs 0 (its /props default): no probabilities."""
+        return None if v == 0 and not isinstance(v, bool) else v
+
+    @field_validator("lora")
+    @classmethod
+    def _no_adapters(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if v:
+            raise ValueError("no LoRA adapters are loaded on this server; send lora: [] or leave it out")
+        return v
+
+    @field_validator("grammar_lazy")
+    @classmethod
+    def _not_lazy(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("lazy grammars (grammar_lazy: true) are not supported; send the grammar from the start")
+        return v
 
     @field_validator("grammar", mode="before")
     @classmethod
@@ -219,6 +280,10 @@ class GenerationRequest(ApiModel):
             v = getattr(self, k)
             if v is not None:
                 d[k] = v
+        if self.samplers is not None and tuple(SAMPLER_NAMES.get(x, x) for x in self.samplers) == SAMPLER_ORDER:
+            del d["samplers"]  # the default chain named in full (llama-server's /props writes it): the default
+        if self.speculative is None and (self.speculative_n_max == 0 or self.speculative_type == "none"):
+            d["speculative"] = False  # llama-server's: no draft for this request
         if self.typ_p is not None and self.typical_p is None:
             d["typical_p"] = self.typ_p
         if self.t_max_predict_ms:

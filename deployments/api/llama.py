@@ -48,8 +48,6 @@ class LlamaCompletionRequest(CompletionRequest):
                         "answers a list of completions (at most the slots of one pipeline group).")
     n_indent: int | None = Field(default=None, ge=0, description="llama-server's least indentation of infill lines "
                                  "(accepted; not applied).")
-    backend_sampling: bool | None = Field(default=None, description="llama-server's per-request switch (accepted; "
-                                          "the engine's backend_sampling decides).")
 
     @model_validator(mode="after")
     def _slot(self) -> LlamaCompletionRequest:

@@ -196,6 +196,29 @@ def test_llama_cpps_web_ui_syncs_its_settings_and_sizes_its_context(base):
     assert props["modalities"] == {"vision": False, "audio": False, "video": False} and props["total_slots"] > 0
 
 
+def test_props_params_sent_back_are_served(base):
+    """The web UI sends its settings, synced from /props default_generation_settings.params, back
+    with each request: this server's params, and llama-server's (tests/test_deployment.py), sent
+    whole through /completion and chat (streamed, as stream: true says; until the slot is full, as
+    n_predict -1 says, so the stream is left once it runs) are served, and none is an unknown field."""
+    from tests.test_deployment import LLAMA_SERVER_SLOT_PARAMS
+
+    ours = httpx.get(base + "/props", timeout=30).json()["default_generation_settings"]["params"]
+    assert ours["seed"] == 4294967295  # llama-server's "random"
+    routes = (("/completion", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                                          "content": "hi"}]}))
+    for params in (ours, LLAMA_SERVER_SLOT_PARAMS):
+        for path, extra in routes:
+            with httpx.stream("POST", base + path, json={**params, **extra}, timeout=120) as r:
+                assert r.status_code == 200, (path, r.read()[:300])
+                first = json.loads(next(line for line in r.iter_lines() if line.startswith("data: {"))[6:])
+            assert "content" in first or first.get("choices"), (path, first)
+    text = httpx.get(base + "/metrics", timeout=30).text
+    ignored = {s.labels.get("field") for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "pgroups_ignored_request_fields_total"}
+    assert not ignored & (set(ours) | set(LLAMA_SERVER_SLOT_PARAMS)), ignored
+
+
 def test_zeds_llama_cpp_provider_sees_tools_and_the_context(base):
     """crates/language_models/src/provider/llama_cpp.rs (zed-industries/zed at b304fe89): tools on when
     /props chat_template_caps.supports_tool_calls or .supports_tools; the context from

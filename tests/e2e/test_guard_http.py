@@ -90,6 +90,45 @@ def test_dns_rebinding_and_foreign_pages_are_refused(deploy):
     assert httpx.get(base + "/health", headers={"host": "lb.example"}, timeout=30).status_code == 200
 
 
+def _raw(base: str, head: str) -> tuple[int | None, bytes]:
+    """The status and what came of one raw request head, sent as no client library sends it."""
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(head.encode("latin-1"))
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return (int(data.split(b" ")[1]) if data.startswith(b"HTTP/1.1 ") else None), data
+
+
+def test_host_origin_and_targets_no_browser_sends_are_refused(deploy):
+    """Two Hosts, a Host with userinfo, an empty one, two Origins: a 400 before any route; an
+    absolute-form target is judged by its own host (served directly: behind Serve's proxy, the
+    proxy's parser drops that host before the ingress sees it)."""
+    from cluster.local_cluster import ingress_mode
+
+    base = deploy(APP)
+    own = base.removeprefix("http://")
+    for head in (f"GET /v1/models HTTP/1.1\r\nHost: {own}\r\nHost: rebind.example\r\n\r\n",
+                 f"POST /slots/0?action=erase HTTP/1.1\r\nHost: localhost:{own.split(':')[1]}@rebind.example\r\n"
+                 "Content-Length: 0\r\n\r\n",
+                 "GET /v1/models HTTP/1.1\r\nHost:\r\n\r\n",
+                 f"GET /v1/models HTTP/1.1\r\nHost: {own}\r\nOrigin: {base}\r\nOrigin: https://evil.example\r\n\r\n"):
+        status, data = _raw(base, head)
+        assert status == 400, (head, data[:300])
+    assert _raw(base, f"GET /v1/models HTTP/1.1\r\nHost: {own}\r\n\r\n")[0] == 200
+    if ingress_mode() == "direct":
+        status, data = _raw(base, f"POST http://rebind.example/slots/0?action=erase HTTP/1.1\r\nHost: {own}\r\n"
+                            "Content-Length: 0\r\n\r\n")
+        assert status == 403 and b"rebind.example" in data, data[:300]
+        assert _raw(base, f"GET {base}/v1/models HTTP/1.1\r\nHost: rebind.example\r\n\r\n")[0] == 200
+    metrics = httpx.get(base + "/metrics", timeout=30).text
+    assert 'pgroups_http_refused_total{status="400"}' in metrics
+
+
 def test_a_listed_origin_gets_cors_and_its_preflight(deploy):
     base = deploy(APP)
     pre = httpx.options(base + "/v1/chat/completions", timeout=30, headers={
