@@ -14,6 +14,8 @@ import os
 import socket
 import time
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
@@ -64,6 +66,13 @@ def _on_peer_node() -> bool:
 
 NOT_CONNECTED = "this engine replica has no output stream from the ingress (it restarted); retry the request"
 
+# Prompts are made (templated, tokenised) and utility calls run on two bounded pools, off the
+# loop that delivers every stream's tokens: small bodies on a few threads, bodies past
+# LARGE_BODY_BYTES one at a time on a thread of their own, so large bodies neither take more
+# than a core from the decode threads nor make a short request's prompt wait behind them.
+PREPARE_THREADS = 2
+LARGE_BODY_BYTES = 64 * 1024
+
 
 
 
@@ -101,6 +110,8 @@ class EngineDeployment:
             config = {**config, "local_cpus": peer_cpus}
         self.config = EngineConfig.model_validate(config)
         self.loop = asyncio.get_running_loop()
+        self._prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
+        self._prepare_large = ThreadPoolExecutor(1, thread_name_prefix="prepare-large")
         self._failed: str | None = None  # why this replica must be replaced
         self._draining = False
         for ep in self.config.rpc_endpoints:
@@ -179,11 +190,17 @@ class EngineDeployment:
 
     # ---- requests ---------------------------------------------------------------------------
 
+    def _off_loop(self, n_bytes: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the pool for a body of ``n_bytes`` (an awaitable)."""
+        pool = self._prepare_large if n_bytes > LARGE_BODY_BYTES else self._prepare
+        return self.loop.run_in_executor(pool, fn, *args)
+
     async def submit(self, conns: dict[str, str] | str, request_id: str, req: Any,
-                     route: Route | None = None) -> Submitted | ApiError:
-        """Tokenise and queue one request the ingress has validated; returns its prompt size
-        (and what the ingress needs to shape its answer) or an error. The chat template and
-        the tokenizer run off the event loop that delivers every stream's tokens."""
+                     route: Route | None = None, n_bytes: int = 0) -> Submitted | ApiError:
+        """Tokenise and queue one request the ingress has validated (its body ``n_bytes``);
+        returns its prompt size (and what the ingress needs to shape its answer) or an error.
+        The chat template and the tokenizer run off the event loop that delivers every
+        stream's tokens, on the pools above."""
         # the ingress's output stream to each replica it holds one to; ``route`` is the router's
         conn_id = conns.get(self._replica, "") if isinstance(conns, dict) else conns
         if self._failed is not None:
@@ -193,7 +210,7 @@ class EngineDeployment:
         if conn_id not in self.out.conns:
             return ApiError(503, NOT_CONNECTED)
         try:
-            prepared: Prepared = await asyncio.to_thread(req.prepare, self.engine, request_id)
+            prepared: Prepared = await self._off_loop(n_bytes, req.prepare, self.engine, request_id)
         except BodyError as e:
             return ApiError(e.status, e.message)
         except CLIENT_ERRORS as e:
@@ -216,11 +233,12 @@ class EngineDeployment:
         return Submitted(len(r.prompt_tokens), r.n_predict, self._replica, conn_id, self.engine.n_ctx_slot,
                          echo=prepared.echo, tools=prepared.tools, reasoning=prepared.reasoning)
 
-    async def run(self, req: Any) -> Any:
+    async def run(self, req: Any, n_bytes: int = 0) -> Any:
         """An API's call (``req.run(engine)``: tokenize, detokenize, apply a template, count
-        tokens, embed) off the event loop; the client's errors as ``ApiError``s."""
+        tokens, embed) off the event loop, as ``submit``'s prompts; the client's errors as
+        ``ApiError``s."""
         try:
-            return await asyncio.to_thread(req.run, self.engine)
+            return await self._off_loop(n_bytes, req.run, self.engine)
         except BodyError as e:
             return ApiError(e.status, e.message)
         except CLIENT_ERRORS as e:

@@ -16,6 +16,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,7 @@ app.add_middleware(Guard, settings_of=_guard_settings)
 
 MAX_FIELD_NAMES = 256  # distinct ignored field names counted (a client cannot grow the table without bound)
 OFFLOAD_BYTES = 64 * 1024  # bodies larger than this are parsed off the event loop
+BODY_THREADS = 1  # threads that parse large bodies: Python holds the GIL, so more would only take the loop's turns
 DIRECT_STOP_S = 20.0  # direct ingress: how long a stopping replica's running requests get
 
 _REF = "#/components/schemas/{model}"
@@ -123,9 +125,17 @@ def _error_status(o: Output) -> tuple[int, str]:
     return (o.status or 500), (o.error or "generation failed")
 
 
-async def _sized(n_bytes: int, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` for a body of ``n_bytes``: inline when small, in a thread when large."""
-    return fn(*args) if n_bytes < OFFLOAD_BYTES else await asyncio.to_thread(fn, *args)
+async def _sized(pool: ThreadPoolExecutor, n_bytes: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` for a body of ``n_bytes``: inline when small, on ``pool``'s threads when large
+    (the loop delivers every stream's tokens meanwhile; large bodies wait their turn there)."""
+    return fn(*args) if n_bytes < OFFLOAD_BYTES else await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+
+async def take_body(request: Request) -> bytes:
+    """The request's body, read once and not kept on the request (starlette's ``body()`` would
+    cache it on the request object, which a stream holds to its end)."""
+    chunks = [chunk async for chunk in request.stream() if chunk]
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 async def _until_gone(request: Request, work: Any) -> Response:
@@ -250,6 +260,7 @@ class Ingress:
         self.api_key = api_key
         self.request_timeout_s = request_timeout_s
         self.out = IngressStreams(engine, connect_timeout_s)
+        self.bodies = ThreadPoolExecutor(BODY_THREADS, thread_name_prefix="ingress-bodies")
         self.internal_errors = 0  # 500s: the server's own faults
         self.guard = GuardSettings(max_body_bytes=max_body_bytes, keyless=not api_key, max_requests=MAX_ONGOING,
                                    error_shape=lambda path: ERROR_SHAPES.get(path, openai_error),
@@ -288,14 +299,15 @@ class Ingress:
         if not token or not hmac.compare_digest(token.encode(), self.api_key.encode()):
             raise HTTPError(401, "invalid or missing API key (Authorization: Bearer <key>)")
 
-    async def body_json(self, request: Request) -> dict | None:
-        """The body as a JSON object (the guard has read it in time and within its size);
-        None: no body."""
-        raw = await request.body()
+    async def body_json(self, request: Request, raw: bytes | None = None) -> dict | None:
+        """The body (``raw``, else read now) as a JSON object (the guard has read it in time and
+        within its size); None: no body."""
+        if raw is None:
+            raw = await take_body(request)
         if not raw:
             return None
         try:
-            return await _sized(len(raw), parse_body, raw)
+            return await _sized(self.bodies, len(raw), parse_body, raw)
         except BodyError as e:
             raise HTTPError(e.status, e.message, e.param) from None
 
@@ -315,19 +327,23 @@ class Ingress:
                 self.ignored_fields[name] = self.ignored_fields.get(name, 0) + 1
         return req
 
-    async def read(self, request: Request, model_cls: type) -> Any:
-        """The request's body as ``model_cls``, checked (auth, JSON, fields); raises ``HTTPError``."""
+    async def read(self, request: Request, model_cls: type) -> tuple[Any, int]:
+        """The request's body as ``model_cls``, checked (auth, JSON, fields), and the body's
+        size; raises ``HTTPError``. Neither the body nor its parsed form is kept past this."""
         self.check_auth(request)
-        raw = await request.body()
-        body = await self.body_json(request)
+        raw = await take_body(request)
+        n_bytes = len(raw)
+        body = await self.body_json(request, raw)
+        del raw
         if body is None:
             raise HTTPError(400, "the request needs a JSON body")
         try:
-            req = await _sized(len(raw), self._validate, model_cls, body)
+            req = await _sized(self.bodies, n_bytes, self._validate, model_cls, body)
         except BodyError as e:
             raise HTTPError(e.status, e.message, e.param) from None
+        del body
         self._check_model(getattr(req, "model", None))
-        return req
+        return req, n_bytes
 
     def answer_of(self, res: Any) -> Response:
         """An engine call's result as an answer: its error, or the result."""
@@ -343,9 +359,9 @@ class Ingress:
     # ---- calls: a body, one engine call, one answer ------------------------------------------
 
     async def call(self, request: Request, ep: Call) -> Response:
-        req = await self.read(request, ep.request)
+        req, n_bytes = await self.read(request, ep.request)
         try:
-            res = await ep.call(self.engine, req)
+            res = await ep.call(self.engine, req, n_bytes)
         except Exception as e:  # the engine replica is restarting
             raise HTTPError(503, f"the engine is not available: {type(e).__name__}", headers={"Retry-After": "1"}) \
                 from None
@@ -356,16 +372,17 @@ class Ingress:
     # ---- generating requests -----------------------------------------------------------------
 
     async def generate(self, request: Request, ep: Generate) -> Response:
-        """One generating request of endpoint ``ep``: read, submit, answer with its shaper."""
-        api_req = await self.read(request, ep.request)
+        """One generating request of endpoint ``ep``: read, submit, answer with its shaper. Once
+        the engine has taken it, the request's text is dropped: the shaper keeps what its answer
+        needs, and a stream holds only its outputs."""
+        api_req, n_bytes = await self.read(request, ep.request)
         req = api_req.served_as()  # what the engine runs
         conns = await self.out.connection()
         rid = ep.id_prefix + uuid.uuid4().hex
         p = self.out.register(rid, req.n)
         try:
-            n_bytes = len(await request.body())
-            route = Route(tuple(conns), tuple(await _sized(n_bytes, prefix_hashes, routing_text(req))))
-            res = await self.engine.submit.remote(conns, rid, req, route=route)
+            route = Route(tuple(conns), tuple(await _sized(self.bodies, n_bytes, prefix_hashes, routing_text(req))))
+            res = await self.engine.submit.remote(conns, rid, req, route=route, n_bytes=n_bytes)
         except BaseException:
             self.out.forget(rid, req.n)
             # the client left (or the call failed) while the engine may have taken it: cancel
@@ -380,7 +397,9 @@ class Ingress:
             self.out.fail_stream(p.conn)
         try:
             shaper = ep.shaper(Answer(rid, self.model_names[0], api_req, req, res))
-            if req.stream:
+            stream = req.stream
+            del api_req, req, res
+            if stream:
                 resp: Response = StreamingResponse(
                     self._guarded(rid, self._sse(rid, p, shaper, ep)), media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},

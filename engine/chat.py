@@ -7,25 +7,73 @@ template in the GGUF, else ``chatml`` with a warning. Jinja renders as Hugging F
 ``strftime_now``, a ``tojson`` that keeps non-ASCII text, ``bos_token`` / ``eos_token``,
 ``add_generation_prompt``, ``tools`` and any per-request ``chat_template_kwargs``.
 A built-in name is rendered by llama.cpp itself (``llama_chat_apply_template``).
+
+Rendering can be held to a length: Jinja's output is gathered piece by piece and stops once
+longer, and so does ``tojson`` (a template's ``tojson(indent=4)`` of a deeply nested value
+writes far more than the body held), so a message that cannot fit costs no more than the limit.
 """
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import datetime
 import json
 import logging
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 
+from engine.errors import RequestError
+
 log = logging.getLogger(__name__)
+
+# the render's bound (None: none), for tojson inside it
+_BOUND: contextvars.ContextVar[Bound | None] = contextvars.ContextVar("template_bound", default=None)
 
 
 class TemplateError(ValueError):
     """The template cannot render these messages (HTTP 400)."""
+
+
+class TooLong(RequestError):
+    """A prompt longer than the tokens it may take (HTTP 400); ``n_tokens``: its length in
+    tokens where it was tokenised (None: its bytes alone showed it)."""
+
+    def __init__(self, message: str, n_tokens: int | None = None) -> None:
+        super().__init__(message)
+        self.n_tokens = n_tokens
+
+
+class Bound:
+    """At most ``most`` characters of a text being written, as ``count`` counts them (``len``,
+    or fewer where a vocabulary drops or swallows some): ``tally()`` gives an ``add(parts,
+    piece)`` that raises ``TooLong`` once past. Characters are counted once their number passes
+    ``most``, not before."""
+
+    def __init__(self, most: int, count: Callable[[str], int] = len) -> None:
+        self.most, self.count = most, count
+
+    def tally(self) -> Callable[[list[str], str], None]:
+        raw, counted = 0, None
+
+        def add(parts: list[str], piece: str) -> None:
+            nonlocal raw, counted
+            parts.append(piece)
+            raw += len(piece)
+            if raw <= self.most:
+                return
+            if counted is None:
+                counted = raw if self.count is len else self.count("".join(parts))
+            else:
+                counted += len(piece) if self.count is len else self.count(piece)
+            if counted > self.most:
+                raise TooLong(f"over {self.most} characters")
+
+        return add
 
 
 @cache
@@ -67,19 +115,34 @@ class ChatTemplate:
         return cls("chatml", builtin=True, origin="built-in chatml (fallback)", **kw)
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-               tools: list[dict] | None = None, kwargs: dict[str, Any] | None = None) -> str:
+               tools: list[dict] | None = None, kwargs: dict[str, Any] | None = None,
+               bound: Bound | None = None) -> str:
+        """The prompt; ``bound``: raises ``TooLong`` as soon as it is longer."""
         if self.builtin:
-            return self._render_builtin(messages, add_generation_prompt)
+            text = self._render_builtin(messages, add_generation_prompt)
+            if bound is not None:
+                bound.tally()([], text)
+            return text
         ctx = {**(kwargs or {}), "messages": messages, "add_generation_prompt": add_generation_prompt,
                "bos_token": self.bos_token, "eos_token": self.eos_token}
         if tools is not None:
             ctx["tools"] = tools
+        token = _BOUND.set(bound)
         try:
-            return self._jinja.render(**ctx)
-        except TemplateError:
+            parts: list[str] = []
+            if bound is None:
+                parts.extend(self._jinja.generate(**ctx))
+            else:
+                add = bound.tally()
+                for piece in self._jinja.generate(**ctx):
+                    add(parts, piece)
+            return "".join(parts)
+        except (TemplateError, TooLong):
             raise
         except Exception as e:  # a template that fails on these messages is the request's problem
             raise TemplateError(f"chat template failed: {e}") from None
+        finally:
+            _BOUND.reset(token)
 
     def _render_builtin(self, messages: list[dict[str, Any]], add_ass: bool) -> str:
         keep = [(str(m.get("role", "")).encode(), _text(m.get("content")).encode()) for m in messages]
@@ -111,7 +174,15 @@ def _raise(message: str) -> None:
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,  # noqa: ANN001
             sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    bound = _BOUND.get()
+    kw = dict(ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    if bound is None or indent is None:  # compact JSON is about as long as the body that held it
+        return json.dumps(x, **kw)
+    parts: list[str] = []
+    add = bound.tally()
+    for chunk in json.JSONEncoder(**kw).iterencode(x):  # indented: stop once longer than the prompt may be
+        add(parts, chunk)
+    return "".join(parts)
 
 
 def _strftime_now(fmt: str) -> str:

@@ -35,7 +35,7 @@ from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.slots import Slot, SlotView
 from engine.speculative import load_draft_model
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, TokenLimit
 from engine.types import Output, Request, RequestError
 
 log = logging.getLogger(__name__)
@@ -141,6 +141,12 @@ class Engine:
                 built.callback(self.embedder.close)
             self._free = built.pop_all()
         self.n_ctx_slot = self.groups[0].n_ctx_slot
+        # what a prompt, and a text for /tokenize or /apply-template, may take: past it, refused
+        # by its bytes where the vocabulary shows it (engine.tokenizer), never tokenised in full
+        self.slot_limit = TokenLimit(self.n_ctx_slot - 1, f"a slot holds {self.n_ctx_slot} (n_ctx / n_parallel) "
+                                     "with at least one generated token")
+        n_ctx = self.n_ctx_slot * config.n_parallel
+        self.context_limit = TokenLimit(n_ctx, f"this server's whole context holds {n_ctx} (n_ctx)")
         self._closed = False
         for grp in self.groups:
             grp.start()
@@ -161,10 +167,14 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+    def tokenize_prompt(self, prompt: str | list[int], limit: TokenLimit | None = None) -> list[int]:
+        """A prompt's tokens; ``limit`` (default: a slot's): ``TooLong`` past it (a 400)."""
+        limit = limit or self.slot_limit
         if isinstance(prompt, str):
-            tokens = self.tokenizer.encode(prompt, add_special=True, parse_special=True)
+            tokens = self.tokenizer.encode(prompt, add_special=True, parse_special=True, limit=limit)
         else:
+            if len(prompt) > limit.n_tokens:
+                raise RequestError(f"the prompt is {len(prompt)} tokens but {limit.what}: shorten the prompt")
             tokens = list(prompt)
             bad = [t for t in tokens if not 0 <= t < self.model.n_vocab]
             if bad:
@@ -227,7 +237,8 @@ class Engine:
         raises ``RequestError`` when embeddings are off or an input cannot be taken."""
         if self.embedder is None:
             raise RequestError("this server does not serve embeddings: set embeddings: true in its config")
-        tokens = [self.tokenize_prompt(x) for x in inputs]
+        limit = TokenLimit(self.config.n_ubatch, f"an embedding takes at most {self.config.n_ubatch} (n_ubatch)")
+        tokens = [self.tokenize_prompt(x, limit) for x in inputs]
         return self.embedder.embed(tokens), sum(len(t) for t in tokens)
 
     def submit(self, r: Request) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import time
+import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -21,6 +23,13 @@ from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, mod
 
 MAX_PROMPT_CHARS = 1_000_000
 MAX_JSON_DEPTH = 64  # objects and arrays inside each other in a request body
+# What a body may hold, whatever its size: a value costs far more once parsed and validated than
+# it takes in JSON (an empty object 3 bytes, a dict of 64; a failed item of a list, an error of
+# about a kilobyte each), so 8 MB of small values would cost gigabytes before their 400.
+MAX_JSON_CONTAINERS = 65_536  # objects and arrays in a request body
+MAX_JSON_STRINGS = 262_144  # strings (object keys too) in a request body
+MAX_ARRAY = 65_536  # items of an array, but for one of token ids (integers) in a field that takes them
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 MAX_FIELD_NAME = 100  # characters of an unknown field's name that are kept (logged, counted)
 MAX_UNKNOWN_PER_BODY = 32  # unknown field names kept of one body
 NEG_INF_LOGPROB = -9999.0  # how OpenAI and vLLM write a log probability of minus infinity
@@ -54,7 +63,9 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     """A request body as JSON, or ``BodyError`` with what is wrong: not JSON, not an object,
     nested deeper than ``MAX_JSON_DEPTH``, a number that is not finite (``NaN``, ``Infinity``,
     ``1e999``), or text that is not Unicode (a lone surrogate escape such as ``"\\ud800"``
-    parses, but no answer that echoes it could be encoded)."""
+    parses, but no answer that echoes it could be encoded), or more values than the
+    ``MAX_JSON_*`` bounds and ``MAX_ARRAY`` allow (counted before it is parsed)."""
+    _count_values(raw)
     try:
         body = json.loads(raw, parse_float=_finite_float, parse_constant=_no_constant)
     except BodyError:
@@ -70,6 +81,11 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         node, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
             raise BodyError(f"the body nests deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(node, list) and len(node) > MAX_ARRAY:
+            if not all(type(x) is int for x in node):
+                raise BodyError(f"the body holds an array of {len(node)} items: at most {MAX_ARRAY}, but for "
+                                "token ids (integers)")
+            continue
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for k, v in items:
             for text in (k, v):
@@ -84,6 +100,56 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def _count_values(raw: bytes) -> None:
+    """``BodyError`` for a JSON text of more objects, arrays or strings than a body may hold. The
+    quick count takes brackets and quotes inside strings too; only when it is over a bound are
+    the strings walked, counting the brackets between them, until a bound is passed."""
+    if raw.count(b"{") + raw.count(b"[") <= MAX_JSON_CONTAINERS and raw.count(b'"') <= 2 * MAX_JSON_STRINGS:
+        return
+    n_containers, n_strings, at = 0, 0, 0
+    for m in _JSON_STRING.finditer(raw):
+        n_containers += raw.count(b"{", at, m.start()) + raw.count(b"[", at, m.start())
+        n_strings, at = n_strings + 1, m.end()
+        if n_containers > MAX_JSON_CONTAINERS or n_strings > MAX_JSON_STRINGS:
+            break
+    else:
+        n_containers += raw.count(b"{", at) + raw.count(b"[", at)
+    if n_containers > MAX_JSON_CONTAINERS:
+        raise BodyError(f"the body holds over {MAX_JSON_CONTAINERS} objects and arrays, the most it may", status=413)
+    if n_strings > MAX_JSON_STRINGS:
+        raise BodyError(f"the body holds over {MAX_JSON_STRINGS} strings, the most it may", status=413)
+
+
+def _takes_ids(annotation: Any) -> bool:
+    """Whether a field of this type takes a list of token ids (``list[int]``, inside a union)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is list:
+        return args == (int,)
+    return origin is not None and any(_takes_ids(a) for a in args)
+
+
+@functools.cache
+def _id_fields(cls: type[BaseModel]) -> frozenset[str]:
+    """The body names of ``cls``'s fields that take token ids: arrays of any length."""
+    return frozenset(f.alias or name for name, f in cls.model_fields.items() if _takes_ids(f.annotation))
+
+
+class Bounded(BaseModel):
+    """A model that takes an array longer than ``MAX_ARRAY`` only in a field of token ids:
+    pydantic validates every item and keeps an error for each that fails (4 million numbers
+    where strings belong: 4.8 GB and 33 s), so a long array anywhere else is refused first."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _short_arrays(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for k, v in data.items():
+                if isinstance(v, list) and len(v) > MAX_ARRAY and k not in _id_fields(cls) \
+                        and k in _body_names(cls):
+                    raise ValueError(f"{str(k)[:MAX_FIELD_NAME]}: an array of {len(v)} items, at most {MAX_ARRAY}")
+        return data
+
+
 @functools.cache
 def _body_names(cls: type[BaseModel]) -> frozenset[str]:
     """The names a body gives ``cls``'s fields: each field's alias (llama-server's
@@ -91,7 +157,7 @@ def _body_names(cls: type[BaseModel]) -> frozenset[str]:
     return frozenset(f.alias or name for name, f in cls.model_fields.items())
 
 
-class ApiModel(BaseModel):
+class ApiModel(Bounded):
     """A request body read as llama-server and vLLM read theirs: a field it does not know is
     set aside (its name, cut to ``MAX_FIELD_NAME`` characters, goes to the validation
     context's ``unknown`` list, for the ingress to log and count, or to refuse with
@@ -171,6 +237,7 @@ ERROR_TYPES = {  # OpenAI's error type of each status we answer with
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "server_error",
     501: "not_supported_error",
     503: "server_error",
@@ -327,20 +394,21 @@ class Generate:
     summary: str = ""
 
 
-def on_engine(engine: Any, req: Any) -> Awaitable[Any]:
-    """``req.run(engine)`` on an engine replica (the engine deployment's ``run``)."""
-    return engine.run.remote(req)
+def on_engine(engine: Any, req: Any, n_bytes: int = 0) -> Awaitable[Any]:
+    """``req.run(engine)`` on an engine replica (the engine deployment's ``run``); ``n_bytes``:
+    the body's size, which picks the thread pool it runs on there."""
+    return engine.run.remote(req, n_bytes=n_bytes)
 
 
 @dataclass(frozen=True)
 class Call:
     """An endpoint whose body is one call on the engine replica and one JSON answer:
-    ``call(engine_handle, request)`` is awaited (by default the request's own ``run`` there);
-    ``answer(result, request, model)`` is the body of a result that is not an ``ApiError``."""
+    ``call(engine_handle, request, body_bytes)`` is awaited (by default the request's own ``run``
+    there); ``answer(result, request, model)`` is the body of a result that is not an ``ApiError``."""
 
     paths: tuple[str, ...]
     request: type[BaseModel]
-    call: Callable[[Any, Any], Awaitable[Any]] = on_engine
+    call: Callable[[Any, Any, int], Awaitable[Any]] = on_engine
     answer: Callable[[Any, Any, str], Any] = lambda result, _req, _model: result
     error: ErrorShape = openai_error
     summary: str = ""

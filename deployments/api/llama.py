@@ -259,7 +259,10 @@ class TokenizeRequest(ApiModel):
     with_pieces: bool = Field(default=False, description="Return [{id, piece}] instead of ids.")
 
     def run(self, engine: Engine) -> dict[str, Any]:
-        toks = engine.tokenizer.encode(self.content, add_special=self.add_special, parse_special=self.parse_special)
+        """The tokens of a text the server's whole context could hold (past it, a 400 from its
+        bytes alone where they show it)."""
+        toks = engine.tokenizer.encode(self.content, add_special=self.add_special, parse_special=self.parse_special,
+                                       limit=engine.context_limit)
         if not self.with_pieces:
             return {"tokens": toks}
         return {"tokens": [{"id": t, "piece": piece_json(engine.tokenizer.piece(t))} for t in toks]}
@@ -271,6 +274,9 @@ class DetokenizeRequest(ApiModel):
     tokens: list[int] = Field(max_length=1_000_000)
 
     def run(self, engine: Engine) -> dict[str, Any]:
+        limit = engine.context_limit  # the text of more could be far larger than the body
+        if len(self.tokens) > limit.n_tokens:
+            raise RequestError(f"{len(self.tokens)} tokens but {limit.what}: detokenize fewer at a time")
         bad = [t for t in self.tokens if not 0 <= t < engine.model.n_vocab]
         if bad:
             raise RequestError(f"token ids out of range [0, {engine.model.n_vocab}): {bad[:5]}")
@@ -293,7 +299,8 @@ class ApplyTemplateRequest(ApiModel):
 
     def run(self, engine: Engine) -> dict[str, Any]:
         return {"prompt": engine.tokenizer.apply_chat_template(self.template_messages(),
-                                                               kwargs=self.chat_template_kwargs)}
+                                                               kwargs=self.chat_template_kwargs,
+                                                               limit=engine.context_limit)}
 
 
 TOKENIZE = Call(("/tokenize",), TokenizeRequest, summary="llama-server's tokenizer")

@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from deployments.api.base import (
     MAX_PROMPT_CHARS,
     Answer,
     ApiModel,
     BodyError,
+    Bounded,
     Call,
     Generate,
     by_choice,
@@ -86,7 +87,7 @@ class CompletionRequest(GenerationRequest):
         return Prepared(r, echo=echo)
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(Bounded):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
@@ -158,7 +159,7 @@ class ChatCompletionRequest(GenerationRequest):
 
     def prepare(self, engine: Engine, request_id: str) -> Prepared:
         """The engine's request, its tool parser's settings and its reasoning split."""
-        prompt, params, plan = chat_prompt(engine.tokenizer, self, engine.n_ctx_slot)
+        prompt, params, plan = chat_prompt(engine.tokenizer, self, engine.n_ctx_slot, engine.slot_limit)
         thinking = ReasoningPlan.make(self.reasoning_format, engine.tokenizer.template.source or "", prompt)
         r = engine.make_request(prompt, params, request_id, cache_prompt=self.cache_prompt, n=self.n,
                                 id_slot=self.id_slot)
@@ -166,14 +167,15 @@ class ChatCompletionRequest(GenerationRequest):
         return Prepared(r, tools=tools, reasoning=thinking)
 
 
-def chat_prompt(tokenizer: Any, req: ChatCompletionRequest,
-                default_max_tokens: int) -> tuple[str, SamplingParams, ToolPlan]:
+def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, default_max_tokens: int,
+                limit: Any = None) -> tuple[str, SamplingParams, ToolPlan]:
     """A chat request's prompt (its tools in it, as its template takes them), its sampling
-    (a forced tool call's grammar in it) and its tool plan."""
+    (a forced tool call's grammar in it) and its tool plan. ``limit`` (an
+    ``engine.tokenizer.TokenLimit``): the rendering stops once the prompt cannot fit it."""
     plan = ToolPlan.make(tokenizer.template.source, tokenizer.template.builtin, req.tools, req.tool_choice,
                          req.parallel_tool_calls)
     prompt = tokenizer.apply_chat_template(plan.messages(req.template_messages()), tools=plan.template_tools(),
-                                           kwargs=req.template_kwargs())
+                                           kwargs=req.template_kwargs(), limit=limit)
     params = req.sampling(default_max_tokens, req.max_completion_tokens)
     grammar = plan.grammar()
     if grammar is not None:
@@ -418,8 +420,9 @@ class EmbeddingRequest(ApiModel):
     """``POST /v1/embeddings`` (OpenAI's); llama-server's ``/embedding`` names the input ``content``."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]] | None = None
-    content: str | list[str] | list[int] | list[list[int]] | None = Field(default=None, description="llama-server's input.")
+    # token ids before texts: a strict match of ids comes first, not a million failed strings (each an error)
+    input: str | list[int] | list[str] | list[list[int]] | None = None
+    content: str | list[int] | list[str] | list[list[int]] | None = Field(default=None, description="llama-server's input.")
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1, description="Must be the model's own (vectors are not cut).")
     user: str | None = None

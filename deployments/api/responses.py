@@ -157,7 +157,15 @@ class ResponsesShaper:
         self.key = a.rid.removeprefix("resp_")
         self.msg_id = "msg_" + self.key
         self.model = a.model
-        self.req = a.request
+        req = a.request  # what the response object echoes of the request, not its input: a stream keeps this
+        self.echo = {
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "temperature": req.temperature, "top_p": req.top_p,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+            "tools": req.tools or [], "text": req.text or {"format": {"type": "text"}},
+            "metadata": req.metadata or {},
+        }
         self.tools = a.submitted.tools
         self._stream = self.tools.stream() if self.tools is not None else None
         self.created = now()
@@ -192,12 +200,7 @@ class ResponsesShaper:
             "id": self.rid, "object": "response", "created_at": self.created, "status": status, "model": self.model,
             "output": self._output(status) if status not in ("in_progress", "failed") else [], "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": self.req.instructions, "max_output_tokens": self.req.max_output_tokens,
-            "temperature": self.req.temperature, "top_p": self.req.top_p,
-            "parallel_tool_calls": self.req.parallel_tool_calls is not False,
-            "tool_choice": self.req.tool_choice if self.req.tool_choice is not None else "auto",
-            "tools": self.req.tools or [], "text": self.req.text or {"format": {"type": "text"}},
-            "metadata": self.req.metadata or {}, "store": False, "truncation": "disabled", "usage": None,
+            **self.echo, "store": False, "truncation": "disabled", "usage": None,
         }
         final = self.last
         if final is not None and status not in ("in_progress", "failed"):
