@@ -121,9 +121,11 @@ def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
     guard = {"body_timeout_s": a.body_timeout_s, "min_body_rate": a.min_body_rate,
              "max_requests_per_client": a.max_requests_per_client, "cors_origins": list(a.cors_origins),
              "allowed_hosts": [h.lower() for h in a.allowed_hosts]}
+    limits = {k: getattr(a, k) for k in ("head_timeout_s", "keep_alive_timeout_s", "max_head_bytes",
+                                         "max_connections", "max_connections_per_client")}
     return Ingress.options(ray_actor_options=ingress_opts).bind(
         engine, names, a.api_key, a.request_timeout_s, a.max_body_bytes, strict_request_fields=a.strict_request_fields,
-        guard=guard, http=(http[0], http[1]) if direct else None,
+        guard=guard, http=(http[0], http[1]) if direct else None, http_limits=limits,
     )
 
 

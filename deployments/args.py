@@ -115,6 +115,28 @@ class AppArgs(EngineConfig):
     max_requests_per_client: int = Field(
         default=256, ge=1, description="Requests in flight from one client address, per ingress replica (429 "
         "beyond): one address cannot hold every place of the ingress.")
+    head_timeout_s: float = Field(
+        default=10.0, gt=0, le=3600,
+        description="A request line and headers must arrive within this many seconds of their connection opening "
+        "or of the previous answer on it ending, or the connection gets a 408 and is closed (a trickled head holds "
+        "nothing for long). Served directly (no Serve proxy), as the shipped configs are.")
+    keep_alive_timeout_s: float = Field(
+        default=5.0, gt=0, le=3600,
+        description="A connection that sends no byte of a next request for this many seconds is closed: idle "
+        "keep-alive connections, and new ones that send nothing.")
+    max_head_bytes: int = Field(
+        default=16 * 1024, ge=1024, le=1024 * 1024,
+        description="Largest request line and headers, in bytes, and at most 100 header lines (431 and the "
+        "connection closed beyond): nothing past the bound is read into memory.")
+    max_connections: int = Field(
+        default=4096, ge=1,
+        description="Open connections per ingress replica; past them a new one gets a 503 at once. Lowered at "
+        "start, with a warning, to fit the process's descriptor limit (ulimit -n), so that accepting never "
+        "runs out of descriptors.")
+    max_connections_per_client: int = Field(
+        default=512, ge=1,
+        description="Open connections from one client address per ingress replica; past them a new one gets a 429 "
+        "at once (one address cannot hold every connection). Keep it at or above max_requests_per_client.")
     cors_origins: list[str] = Field(
         default_factory=list,
         description="Web page origins (e.g. 'http://localhost:5173') that may use the API from a browser, with "

@@ -41,7 +41,7 @@ from deployments.api.base import (
     parse_body,
     read_request,
 )
-from deployments.direct import DirectServer
+from deployments.direct import DirectServer, HttpLimits
 from deployments.guard import Guard, GuardSettings
 from deployments.router import Route, prefix_hashes, routing_text
 from deployments.streams import IngressStreams, Pending, detached
@@ -250,9 +250,11 @@ class Ingress:
         strict_request_fields: bool = False,
         guard: dict[str, Any] | None = None,
         http: tuple[str, int] | None = None,
+        http_limits: dict[str, Any] | None = None,
     ) -> None:
         """``http``: the address and port this replica serves HTTP on itself (direct ingress,
-        ``deployments.direct``: Serve runs no proxy); None: behind Serve's proxy."""
+        ``deployments.direct``: Serve runs no proxy), within ``http_limits`` (``HttpLimits``'
+        fields); None: behind Serve's proxy."""
         self.engine = engine
         self.model_names = model_names
         self.strict = strict_request_fields
@@ -266,7 +268,8 @@ class Ingress:
                                    error_shape=lambda path: ERROR_SHAPES.get(path, openai_error),
                                    **{k: tuple(v) if isinstance(v, list) else v for k, v in (guard or {}).items()})
         _CURRENT[:] = [self]
-        self.http = DirectServer(app, *http) if http else None
+        self.http = (DirectServer(app, *http, HttpLimits(**(http_limits or {})), refused=self.guard.refused)
+                     if http else None)
         self._stacks = start_from_env("ingress")  # a developer's profile of the host path
 
     @property
@@ -540,8 +543,9 @@ class Ingress:
         for name, n in sorted(self.ignored_fields.items()):
             label = json.dumps(name)[1:-1].replace("\\'", "'")
             lines.append(f'pgroups_ignored_request_fields_total{{field="{label}"}} {n}'.encode())
-        lines += [b"# HELP pgroups_http_refused_total Requests the HTTP guard refused before their route, by status "
-                  b"(403 host or origin, 408 body too slow, 413 too large, 415 not JSON, 429 per-client bound).",
+        lines += [b"# HELP pgroups_http_refused_total Requests and connections the HTTP layer refused before their "
+                  b"route, by status (403 host or origin, 408 head or body too slow, 413 body too large, 415 not "
+                  b"JSON, 429 per-client bound, 431 head too large, 503 in all).",
                   b"# TYPE pgroups_http_refused_total counter"]
         lines += [f'pgroups_http_refused_total{{status="{k}"}} {v}'.encode() for k, v in sorted(self.guard.refused.items())]
         lines += [b"# HELP pgroups_http_internal_errors_total Answers that were the server's own fault (500; each "
