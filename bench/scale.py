@@ -21,7 +21,7 @@ Figures, in this order:
 - **warm start**: ``serve shutdown``, then ``serve run`` with 2 groups (the cache full), and
   decode and TTFT again; then once more with 1 group, ``release_offloaded_pages: false`` (the
   peer's pages left in the local page cache, as llama.cpp leaves them: its start and memory)
-  and ``prefill_stall: null`` (prompts in whole batches, as llama-server: decode and TTFT);
+  and ``prefill_gap_factor: null`` (prompts in whole batches, as llama-server: decode and TTFT);
 - **llama-server + rpc-server -c** on the same hosts, model and split (its order: every layer on
   the peer, the last 8 and the output layer moved back with ``-ot``): cold start, decode and
   TTFT, memory, warm start, and its peer killed under load (llama-server exits; nothing restarts
@@ -267,7 +267,7 @@ def engine_arms(tb) -> dict:  # noqa: ANN001
     # a warm start with the peer's pages kept cached on the local node (as llama.cpp leaves them),
     # and the loads with every prompt in whole batches (llama-server's behaviour: no chunked prefill)
     proc, out["warm_start_pages_kept"] = start(1, "serve-run-scale-3.log", release_offloaded_pages=False,
-                                               prefill_stall=None)
+                                               prefill_gap_factor=None)
     out["memory_pages_kept"] = memory(tb, replica()[0], stage()[0], cache)
     out["1 group, whole batches"] = load_figures(tb, base)
     tb.serve_stop(proc)

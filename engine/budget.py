@@ -3,13 +3,23 @@
 A step that evaluates a prompt chunk beside generating rows makes every one of those streams
 wait for the chunk, and so does every other group's next step behind it on the shared stages.
 llama-server fills the batch up to ``n_batch``, so a long prompt stretches the others' gaps
-by its chunk's whole cost. Here, while any stream of the engine decodes, a step's prompt
-tokens are cut so that the step lasts about ``1 + stall`` times a step without them: the
-cost of a step is learnt from the steps themselves (a moving mean of the steps without prompt
-tokens, and of the time each prompt token adds), so the cut follows the hardware: a GPU
-evaluates a large chunk for little more than a decode step, a CPU pays per token. A prompt
-gets at least ``chunk_min`` tokens a step, so it always progresses; with nothing decoding it
-gets the whole batch.
+by its chunk's whole cost. Cut too small, the chunk starves the prompt instead: a step's fixed
+part (the rows, reading the weights) then dominates and the prompt crawls. The budget serves
+both sides. Decodes come first; the long prompts' chunk ``k`` is then the largest of
+
+- ``k_gap``: the largest chunk whose step lasts at most ``gap_factor`` times a step of the same
+  rows without it, so the others' token gap grows by at most that factor; and
+- ``k_rate``: the smallest chunk at which the prompt progresses at least ``min_rate`` of the
+  rate the whole batch would give it (its idle rate, on an idle server), so it is never
+  starved: ``k / seconds(rows, k) >= min_rate * capacity / seconds(rows, capacity)``.
+
+Where both hold the streams get the larger chunk's gap and the prompt more than its floor;
+where they conflict (a prompt token costs the stages a fair share of a row, as on a CPU) the
+prompt's floor wins and the gap grows past ``gap_factor`` to about ``1 / (1 - min_rate)``
+times. The step's seconds come from a cost model fitted to the steps themselves
+(engine/cost.py): a line in the generating rows, plus a per-token cost by chunk size (a chunk
+of 8 costs more a token than one of 256). A prompt gets at least ``chunk_min`` tokens a step;
+with nothing decoding it gets the whole batch.
 
 Chunks do not save the decoding streams any time in all (the prompt's tokens cost the stages
 the same, cut or not): they spread the wait over many steps, so no stream stalls for a whole
@@ -25,35 +35,33 @@ waits for its first token in any group, the steps of every group carry at most
 steps beside it on the shared stages, are quick. A long prompt held back ``aging`` steps in a
 row is exempt, so a stream of short prompts never starves it.
 
-One budget is shared by the engine's groups (they run the same model on the same stages);
-each group writes its own step times and its counts of generating rows, of prompts waiting
-and of short prompts among them, and reads the others'.
+One budget and one cost model are shared by the engine's groups (they run the same model on
+the same stages); each group writes its own step times and its counts of generating rows, of
+prompts waiting and of short prompts among them, and reads the others'.
 """
 
 from __future__ import annotations
 
-EMA = 0.2  # weight of the newest step in the moving means
+from collections.abc import Callable
+
+from engine.cost import StepCost
 
 
 class PrefillBudget:
-    def __init__(self, n_groups: int, stall: float | None, chunk_min: int, beside_short: int | None = None) -> None:
-        self.stall = stall  # None: off (llama-server's behaviour)
+    def __init__(self, n_groups: int, gap_factor: float | None, min_rate: float = 0.0, chunk_min: int = 8,
+                 beside_short: int | None = None, cost: StepCost | None = None) -> None:
+        self.gap_factor = gap_factor  # None: off (llama-server's behaviour)
+        self.min_rate = min_rate  # 0: the gap bound alone
         self.chunk_min = max(1, chunk_min)
         self.beside_short = beside_short  # None: long prompts fill the step beside short ones
+        self.cost = cost or StepCost()
         self.decoding = [0] * n_groups  # generating rows per group, after its last step
         self.prompting = [0] * n_groups  # prompts with tokens to evaluate per group, likewise
         self.short = [0] * n_groups  # short prompts among them (published when one starts too)
-        self.t_decode: float | None = None  # seconds of a step without prompt tokens
-        self.t_token: float | None = None  # seconds one prompt token adds to a step
 
     def observe(self, n_rows: int, n_prompt: int, seconds: float) -> None:
         """A step ran for ``seconds``: ``n_prompt`` prompt tokens beside ``n_rows`` generating rows."""
-        if n_prompt == 0:
-            if n_rows:
-                self.t_decode = _mean(self.t_decode, seconds)
-            return
-        base = self.t_decode if (self.t_decode is not None and n_rows) else 0.0
-        self.t_token = _mean(self.t_token, max(seconds - base, 0.0) / n_prompt)
+        self.cost.observe(n_rows, n_prompt, seconds)
 
     def tokens(self, group: int, n_generating: int, capacity: int, n_prompting: int = 1) -> int:
         """The most prompt tokens the next step of ``group`` may carry (its own generating rows
@@ -61,12 +69,28 @@ class PrefillBudget:
         others = [g for g in range(len(self.decoding)) if g != group]
         decoding = n_generating + sum(self.decoding[g] for g in others)
         prompting = n_prompting + sum(self.prompting[g] for g in others)
-        if self.stall is None or decoding <= prompting:
+        if self.gap_factor is None or decoding <= prompting or capacity <= self.chunk_min:
             return capacity
-        if self.t_decode is None or not self.t_token:
-            return min(self.chunk_min, capacity)
-        return max(self.chunk_min, min(capacity, int(self.stall * self.t_decode / self.t_token)))
+        return self.chunk(n_generating, max((self.decoding[g] for g in others), default=0), capacity)
 
+    def chunk(self, rows: int, other_rows: int, capacity: int) -> int:
+        """The chunk beside ``rows`` generating rows of its own group (``other_rows``: the most
+        another group has, whose gap is bounded when the group has none)."""
+        cost, lo = self.cost, self.chunk_min
+        ref = self.cost.base(rows or other_rows)  # the step whose gap is bounded, without prompt tokens
+        if ref is None or cost.per_token(lo) is None:
+            return lo  # nothing learnt yet: the smallest chunk teaches the model
+        assert self.gap_factor is not None
+
+        def step(k: int) -> float:
+            return cost.step(rows, k) or 0.0
+
+        k_gap = _last(lo, capacity, lambda k: step(k) <= self.gap_factor * ref) or lo
+        if self.min_rate <= 0:
+            return k_gap
+        full = capacity / max(step(capacity), 1e-9)  # the rate the whole batch would give it
+        k_rate = _first(lo, capacity, lambda k: k / max(step(k), 1e-9) >= self.min_rate * full) or capacity
+        return max(k_gap, k_rate)
 
     def long_cut(self, group: int, n_short: int) -> int | None:
         """The most tokens of long prompts the next step of ``group`` may carry beside short
@@ -79,5 +103,21 @@ class PrefillBudget:
         return None
 
 
-def _mean(old: float | None, new: float) -> float:
-    return new if old is None else old + EMA * (new - old)
+def _last(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
+    """The largest k in [lo, hi] with ``ok(k)``, for ``ok`` true up to a point and false after."""
+    if not ok(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def _first(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
+    """The smallest k in [lo, hi] with ``ok(k)``, for ``ok`` false up to a point and true after."""
+    if not ok(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+    return lo

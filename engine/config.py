@@ -70,13 +70,22 @@ class EngineConfig(BaseModel):
     )
     n_batch: int = Field(default=512, ge=1, description="Most tokens one decode step carries [-b].")
     n_ubatch: int = Field(default=512, ge=1, description="Physical micro-batch size [-ub].")
-    prefill_stall: float | None = Field(
-        default=0.5, ge=0.01, le=100.0,
+    prefill_gap_factor: float | None = Field(
+        default=3.0, ge=1.0, le=100.0,
         description="Chunked prefill: while the streams decoding outnumber the prompts waiting (all groups), "
-        "a step's long prompts' tokens are cut so that "
-        "the step lasts about (1 + this) times a step without them (learnt from the steps); a long "
-        "prompt then stretches the other streams' token gaps by this share instead of by its whole "
-        "chunk. None: prompts fill the batch up to n_batch, as llama-server does.",
+        "a step's long prompts get the largest chunk whose step lasts at most this many times a step of "
+        "the same rows without it (a cost model learnt from the steps, by chunk size), so the other "
+        "streams' token gaps grow by at most this factor, unless prefill_min_rate needs more. Higher: "
+        "the long prompt's first token sooner, the others' gaps longer. None: prompts fill the batch up "
+        "to n_batch, as llama-server does.",
+    )
+    prefill_min_rate: float = Field(
+        default=0.7, ge=0.0, le=1.0,
+        description="Chunked prefill: the least share of the rate a whole batch would give it (its idle "
+        "rate, on an idle server) at which a long prompt progresses beside decoding streams; where "
+        "prefill_gap_factor's chunk is slower, the chunk grows to this rate and the others' gaps grow "
+        "past that factor (to about 1 / (1 - this) on a CPU). Higher: the long prompt's first token "
+        "nearer its idle time, the others' gaps longer. 0: the gap bound alone.",
     )
     prefill_chunk_min: int = Field(
         default=8, ge=1, description="Chunked prefill: the fewest prompt tokens a step carries, so a prompt always progresses."
@@ -250,6 +259,14 @@ class EngineConfig(BaseModel):
         description="Speculative decoding per group: {type: ngram|draft, model, n_max, n_min, p_min, "
         "max_rows, ...}; None: off. See engine/speculative.py.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: object) -> object:
+        if isinstance(data, dict) and "prefill_stall" in data:
+            raise ValueError("prefill_stall is now prefill_gap_factor, which is 1 + its value (null: off), "
+                             "beside prefill_min_rate, the long prompt's least rate")
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

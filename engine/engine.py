@@ -127,8 +127,8 @@ class Engine:
                 aging=config.queue_aging,
             )
             # chunked prefill: one budget for the groups, which share the stages
-            self.prefill = PrefillBudget(config.pipeline_groups, config.prefill_stall, config.prefill_chunk_min,
-                                         config.prefill_beside_short)
+            self.prefill = PrefillBudget(config.pipeline_groups, config.prefill_gap_factor, config.prefill_min_rate,
+                                         config.prefill_chunk_min, config.prefill_beside_short)
             for g in range(config.pipeline_groups):
                 group = PipelineGroup(g, self.model, self.tokenizer, config, self.slots[g * per : (g + 1) * per],
                                       self._sink, self.scheduler.release, draft_model=self.draft_model,

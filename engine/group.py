@@ -257,7 +257,8 @@ class PipelineGroup:
         with prof.timed("batch"):
             cfg = self.config
             n_rows = len(generating(self.active))
-            allowed = budget.tokens(self.index, n_rows, runner.capacity, len(prompting(self.active)))
+            n_prompts = len(prompting(self.active))
+            allowed = budget.tokens(self.index, n_rows, runner.capacity, n_prompts) if n_prompts else None
             cut = budget.long_cut(self.index, n_short(self.active, cfg.prefill_long_tokens))
             plan = plan_step(self.active, drafts, runner.capacity, runner.n_ubatch, cfg.kv_unified,
                              allowed, cfg.prefill_long_tokens, cut, cfg.prefill_aging_steps)

@@ -244,12 +244,12 @@ def test_beside_a_short_prompt_long_ones_take_a_small_chunk_until_held_back_agin
 
 
 def test_the_cut_follows_short_prompts_in_any_group():
-    b = PrefillBudget(2, stall=0.5, chunk_min=8, beside_short=128)
+    b = PrefillBudget(2, gap_factor=3.0, chunk_min=8, beside_short=128)
     assert b.long_cut(0, 0) is None
     assert b.long_cut(0, 1) == 128
     b.short[1] = 1  # the other group started one
     assert b.long_cut(0, 0) == 128 and b.long_cut(1, 0) is None
-    assert PrefillBudget(2, 0.5, 8).long_cut(0, 3) is None  # off
+    assert PrefillBudget(2, 3.0).long_cut(0, 3) is None  # off
     # short: by the tokens to evaluate after reuse; a slot waiting for a leader is not served
     fresh = busy(0, 0, list(range(300)))
     reused = busy(1, 1, list(range(300)), done=290)
