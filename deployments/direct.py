@@ -43,7 +43,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.protocols.utils import get_remote_addr
 
 from deployments.api.base import openai_error
-from deployments.guard import KeepsRequestTarget
+from deployments.guard import KeepsRequestTarget, release
 
 log = logging.getLogger(__name__)
 
@@ -207,11 +207,7 @@ class BoundedHttpProtocol(KeepsRequestTarget, HttpToolsProtocol):
             return
         t, client, self._client = self.table, self._client, None
         t.held -= 1
-        n = t.per_client[client] - 1
-        if n:
-            t.per_client[client] = n
-        else:
-            del t.per_client[client]
+        release(t.per_client, client)
         super().connection_lost(exc)
 
     def _refuse_at_accept(self, transport: asyncio.Transport, status: int, message: str) -> None:

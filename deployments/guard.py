@@ -203,6 +203,16 @@ class KeepsRequestTarget:
             self.scope["raw_path"] = root + target.partition(b"?")[0]
 
 
+def release(counts: dict[str, int], key: str) -> None:
+    """One less of ``key`` in a per-address table that keeps no entry at 0 (so a client cannot
+    grow it by coming and going)."""
+    n = counts[key] - 1
+    if n:
+        counts[key] = n
+    else:
+        del counts[key]
+
+
 class _Refused(Exception):
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
@@ -273,11 +283,7 @@ class Guard:
             await self.app(scope, receive, self._with_cors(send, cors) if cors else send)
         finally:
             self.total -= 1
-            n = self.ongoing[client] - 1
-            if n:
-                self.ongoing[client] = n
-            else:
-                del self.ongoing[client]
+            release(self.ongoing, client)
 
     # ---- the checks --------------------------------------------------------------------------
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 from typing import Any
 
 import pytest
 
-from deployments.direct import DirectServer
+from deployments.direct import HttpLimits
 from deployments.guard import Guard, GuardSettings, parse_authority, parse_origin, same_origin
+from tests.test_http_heads import Served as RawServed
 
 WAIT_S = 60.0  # generous: answers are waited for, never timed
 
@@ -152,30 +152,12 @@ def test_an_absolute_form_origin_check_uses_the_targets_host():
 # ---- over raw sockets, to the direct ingress's own server ----------------------------------------
 
 
-class Served:
+class Served(RawServed):
     """The guard and ``_app`` under the direct ingress's server, on a thread's event loop."""
 
     def __init__(self) -> None:
         self.settings = GuardSettings()
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-
-            async def start() -> None:
-                self.server = DirectServer(Guard(_app, lambda: self.settings), "127.0.0.1", 0)
-                while not self.server.server.started:
-                    await asyncio.sleep(0.01)
-                ready.set()
-
-            self.loop.run_until_complete(start())
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        assert ready.wait(WAIT_S)
-        self.port = self.server.sock.getsockname()[1]
+        super().__init__(HttpLimits(), Guard(_app, lambda: self.settings))
 
     def send(self, head: str) -> tuple[int | None, bytes]:
         """The status and body of the answer to one raw request head (then the server's close or
@@ -190,11 +172,6 @@ class Served:
                 data += chunk
         status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else None
         return status, data.split(b"\r\n\r\n", 1)[-1]
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(5.0), self.loop).result(WAIT_S)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(WAIT_S)
 
 
 def _length(data: bytes) -> int:

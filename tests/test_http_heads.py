@@ -39,7 +39,7 @@ async def _app(scope: dict, receive, send) -> None:  # noqa: ANN001 - ASGI
 class Served:
     """A DirectServer with ``limits`` on a thread's event loop, for blocking sockets to talk to."""
 
-    def __init__(self, limits: HttpLimits) -> None:
+    def __init__(self, limits: HttpLimits, app=_app) -> None:  # noqa: ANN001 - an ASGI app
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
 
@@ -47,7 +47,7 @@ class Served:
             asyncio.set_event_loop(self.loop)
 
             async def start() -> None:
-                self.server = DirectServer(_app, "127.0.0.1", 0, limits)
+                self.server = DirectServer(app, "127.0.0.1", 0, limits)
                 while not self.server.server.started:
                     await asyncio.sleep(0.01)
                 ready.set()
@@ -103,6 +103,24 @@ def answer_of(s: socket.socket) -> tuple[int | None, bytes, bool]:
         data += chunk
 
 
+def trickle(s: socket.socket, head: bytes, gap_s: float, wait_s: float) -> tuple[int, bytes]:
+    """Sends ``head`` a byte every ``gap_s`` until the server answers (or ``wait_s`` passes, or
+    the connection breaks): (bytes sent, what the first answer's read gave)."""
+    s.settimeout(gap_s)
+    sent, data = 0, b""
+    deadline = time.monotonic() + wait_s
+    while not data and time.monotonic() < deadline:
+        try:
+            s.send(head[sent:sent + 1])
+            sent += 1
+            data = s.recv(65536)
+        except TimeoutError:
+            continue
+        except OSError:
+            break
+    return sent, data
+
+
 def _status(data: bytes) -> int | None:
     return int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else None
 
@@ -121,19 +139,7 @@ def test_a_trickled_head_gets_a_408_and_its_connection_is_closed():
     head = b"GET /x HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 100_000
     with served(head_timeout_s=1.0) as srv:
         s = srv.connect()
-        sent = 0
-        s.settimeout(0.05)
-        deadline = time.monotonic() + WAIT_S
-        data = b""
-        while time.monotonic() < deadline and not data:  # a byte at a time until answered
-            try:
-                s.send(head[sent:sent + 1])
-                sent += 1
-                data = s.recv(65536)
-            except TimeoutError:
-                continue
-            except OSError:
-                break
+        sent, data = trickle(s, head, 0.05, WAIT_S)
         status, rest, closed = answer_of(s)
         s.close()
         assert _status(data + rest) == 408 and closed, data + rest

@@ -16,7 +16,7 @@ import httpx
 
 from tests.e2e.test_edges_http import tables
 from tests.e2e.test_http_api import APP
-from tests.test_http_heads import answer_of
+from tests.test_http_heads import answer_of, trickle
 
 WAIT_S = 120.0
 
@@ -30,17 +30,8 @@ def test_a_trickled_head_and_silent_connections_are_cut(deploy):
     base = deploy(APP)
     silent = [_connect(base, "127.0.0.2") for _ in range(200)]
     trickled = _connect(base, "127.0.0.3")
-    trickled.settimeout(0.2)
     head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 10_000
-    sent, data = 0, b""
-    deadline = time.monotonic() + WAIT_S
-    while not data and time.monotonic() < deadline:  # a byte at a time until answered
-        try:
-            trickled.send(head[sent:sent + 1])
-            sent += 1
-            data = trickled.recv(65536)
-        except TimeoutError:
-            continue
+    sent, data = trickle(trickled, head, 0.2, WAIT_S)
     status, rest, closed = answer_of(trickled)
     trickled.close()
     assert (data + rest).startswith(b"HTTP/1.1 408 ") and closed and sent < len(head), data + rest
