@@ -29,7 +29,7 @@ FLAGS_ID := $(shell echo '$(CMAKE_FLAGS)' | md5sum | cut -c1-8)
 WHEEL_DIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)-$(FLAGS_ID)
 STAMP := $(VENV)/.installed-$(LLAMA_VARIANT)-$(FLAGS_ID)
 
-.PHONY: install wheel model model-synthetic browser serve test test-fast test-cluster lint docs bench bench-spec bench-prefix bench-long bench-host bench-scale llama-server cluster-up cluster-down clean
+.PHONY: install wheel model model-synthetic browser serve test test-fast test-cluster lint docs bench bench-spec bench-prefix bench-long bench-host bench-bodies bench-scale llama-server cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -128,6 +128,10 @@ bench-long: install model llama-server
 # Where the host path's CPU goes: the two-group cell with the in-process stack sampler (bench/host_profile.py)
 bench-host: install
 	$(PY) -m bench.host_profile $(BENCH_ARGS)
+
+# Memory and time per request with large bodies, on `make serve`'s settings (bench/bodies.py, ~5 minutes)
+bench-bodies: install model
+	$(PY) -m bench.bodies $(BENCH_ARGS)
 
 # A 3.6 GB model on the two-host bed (root, Linux): load, restarts, memory and long prompts,
 # against llama-server + rpc-server on the same hosts (bench/scale.py, ~25 minutes)

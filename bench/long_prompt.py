@@ -1,16 +1,31 @@
-"""A long prompt beside decoding streams: what its prefill does to the other streams' gaps.
+"""Fair under mixed load, against llama-server in one run: a long prompt beside decoding streams, a
+short request behind long prompts, an unpinned request beside pinned ones.
 
-Gemma 3 270M split over a ggml RPC stage on loopback (9 of its 18 layers on the peer), 8
-streams decoding (greedy, end of generation ignored); after ``--steady`` seconds one prompt of
-``--prompt`` tokens (4,096 by default) arrives. For every stream, the gaps between its
-tokens: steady (the seconds before the prompt arrives) and during the prefill (from its
-arrival to its first token). Arms: the engine with 1 and 2 groups, chunked prefill on (the
-default, ``prefill_stall`` 0.5 and ``prefill_chunk_min`` 8; and with a floor of 4) and off
-(the batch filled to ``n_batch``, as llama-server does), and llama-server with rpc-server on
-the same split (``LLAMA_SERVER_BIN``; skipped without it). Prints one JSON line per arm and a
-table; writes bench/results/long_prompt.*.
+The demo as ``make serve`` serves it (deployments/configs/local.yaml: SmolLM2-135M-Instruct split
+over the RPC stage on the local two-node Ray cluster, two pipeline groups, one thread a stage,
+direct ingress, the chunked-prefill defaults) but with 10 slots of 4,096 tokens, so that 8 streams
+and the long prompt fit; and llama-server with rpc-server on the same split (15 of the 30 layers
+on the peer, the rest and the output layer local; ``LLAMA_SERVER_BIN``; skipped without it). Both
+are driven over HTTP by one client, llama-server's ``/completion`` (token prompts, greedy, end of
+generation ignored, prompt caching off). Arms: the engine with its defaults, with other values of
+the knobs (the long cell only), with whole batches (``prefill_gap_factor: null``, as llama-server),
+and llama-server. Every arm runs on a fresh server; its cells in this order:
 
-    python -m bench.long_prompt [--prompt 4096] [--arms "a;b"]     (make bench-long)
+- ``long``: 8 streams decode; after ``--steady`` seconds one prompt of ``--prompt`` tokens (3,000)
+  arrives. Its time to the first token under load over the same length's alone (measured after
+  the streams stop, with other tokens); the streams' gaps between tokens, steady (the seconds
+  before) and during its prefill: median, p99, longest.
+- ``short``: seven prompts of 464 tokens at once, then (0.2 s later) a 16-token request: its first
+  token against one alone, and against one 464-token prompt alone.
+- ``pinned``: a request generating on slot 0, then ``max_queued_per_slot`` + 4 requests pinned to
+  slot 0 (``id_slot``, llama-server's field), then an unpinned request: how many pinned were
+  refused (429), and the unpinned one's answer and first token against one alone.
+
+Prints one JSON line per arm and the tables; writes bench/results/long_prompt.*. The engine's arms
+start Ray (``ray stop`` first and after: every Ray process of this user on the machine).
+
+    python -m bench.long_prompt [--prompt 3000] [--arms "a;b"] [--cells long,short,pinned]
+    (make bench-long)
 """
 
 from __future__ import annotations
@@ -23,23 +38,39 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import yaml
 
 from bench.run import ROOT
-from deployments.stage import server as rpc_server
-from engine import Engine, EngineConfig, SamplingParams
-from engine.models import GEMMA_MODEL
+from engine.models import CHAT_MODEL
 
-PORT, LS_PORT, LS_RPC = 50193, 50194, 50195
+LS_PORT, LS_RPC, RPC_PORT = 50194, 50195, 50196
 N_STREAMS = 8
-N_PEER, N_LAYER = 9, 18
-SLOTS = 10  # the streams and the long prompt, 5 a group with 2 groups
-WORDS = range(1000, 30000)  # ordinary pieces of Gemma's vocabulary
+N_PEER, N_LAYER = 15, 30
+SLOTS, N_CTX_SLOT = 10, 4096  # the streams and the long prompt, 5 a group
+N_LONG, LONG_TOKENS, SHORT_TOKENS = 7, 464, 16  # the short cell
+PER_SLOT = 16  # the engine's max_queued_per_slot (its default)
+WORDS = range(1000, 30000)  # ordinary pieces of the vocabulary
+
+# open_stream(prompt, max_tokens, id_slot) yields each output's token count until it ends or is
+# closed; it raises Refused when the server turns the request away (HTTP 429)
+Opener = Callable[[list[int], int, int], Iterator[int]]
 
 
-def prompts(n_prompt: int) -> tuple[list[list[int]], list[int]]:
-    rng = random.Random(3)
-    streams = [[2] + [rng.choice(WORDS) for _ in range(24)] for _ in range(N_STREAMS)]
-    return streams, [2] + [rng.choice(WORDS) for _ in range(n_prompt - 1)]
+class Refused(Exception):
+    pass
+
+
+class Prompts:
+    """Random token prompts: none shares a prefix with another."""
+
+    def __init__(self, seed: int = 3) -> None:
+        self.rng = random.Random(seed)
+
+    def __call__(self, n: int) -> list[int]:
+        return [self.rng.choice(WORDS) for _ in range(n)]
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -47,7 +78,16 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
-def figures(arrivals: list[list[float]], t_submit: float, t_first: float, steady_s: float) -> dict:
+def first_token(open_stream: Opener, prompt: list[int], id_slot: int = -1) -> float:
+    """Seconds to the first token of a one-token request."""
+    t0 = time.perf_counter()
+    for n in open_stream(prompt, 1, id_slot):
+        if n:
+            return time.perf_counter() - t0
+    raise RuntimeError("the request ended without a token")
+
+
+def gaps(arrivals: list[list[float]], t_submit: float, t_first: float, steady_s: float) -> dict:
     """Gaps between consecutive outputs of each stream, by where the later one fell."""
     steady, during = [], []
     for ts in arrivals:
@@ -58,7 +98,6 @@ def figures(arrivals: list[list[float]], t_submit: float, t_first: float, steady
                 during.append(b - a)
     ms = 1000.0
     return {
-        "prefill_s": round(t_first - t_submit, 2),
         "steady_median_ms": round(statistics.median(steady) * ms, 1) if steady else None,
         "steady_p99_ms": round(pct(steady, 0.99) * ms, 1),
         "during_median_ms": round(statistics.median(during) * ms, 1) if during else None,
@@ -68,15 +107,14 @@ def figures(arrivals: list[list[float]], t_submit: float, t_first: float, steady
     }
 
 
-def timeline(open_stream: Callable[[list[int], int], Iterator[int]], streams: list[list[int]],
-             long_prompt: list[int], steady_s: float) -> dict:
-    """Run the streams, then the long prompt; ``open_stream(prompt, max_tokens)`` yields once
-    per output with its token count, until it is closed."""
+def long_cell(open_stream: Opener, prompt: Prompts, n_prompt: int, steady_s: float) -> dict:
+    """8 streams, then the long prompt; then the same length alone."""
+    streams = [prompt(24) for _ in range(N_STREAMS)]
     arrivals: list[list[float]] = [[] for _ in streams]
     stop = threading.Event()
 
     def stream(i: int) -> None:
-        it = open_stream(streams[i], 3000)
+        it = open_stream(streams[i], 3000, -1)
         try:
             for n in it:
                 if n:
@@ -95,97 +133,211 @@ def timeline(open_stream: Callable[[list[int], int], Iterator[int]], streams: li
         time.sleep(0.05)
     time.sleep(steady_s)
     t_submit = time.perf_counter()
-    first = None
-    for n in open_stream(long_prompt, 1):
-        if n:
-            first = time.perf_counter()
-            break
+    loaded = first_token(open_stream, prompt(n_prompt))
     stop.set()
     for t in threads:
         t.join(60)
-    return figures(arrivals, t_submit, first or time.perf_counter(), steady_s)
+    time.sleep(1.0)
+    alone = first_token(open_stream, prompt(n_prompt))
+    return {"prefill_loaded_s": round(loaded, 2), "prefill_alone_s": round(alone, 2),
+            "prefill_ratio": round(loaded / alone, 2),
+            **gaps(arrivals, t_submit, t_submit + loaded, steady_s)}
 
 
-def engine_arm(groups: int, stall: float | None, chunk_min: int = 8) -> Callable[[], tuple[Callable, Callable]]:
-    def start() -> tuple[Callable, Callable]:
-        e = Engine(EngineConfig(model=str(GEMMA_MODEL), rpc_endpoints=[f"127.0.0.1:{PORT}"], peer_layers=N_PEER,
-                                n_parallel=SLOTS, pipeline_groups=groups, n_ctx=SLOTS * 4352, n_threads=1,
-                                cache_prompt=False, prefill_stall=stall, prefill_chunk_min=chunk_min))
+def short_cell(open_stream: Opener, prompt: Prompts) -> dict:
+    """A short request behind seven 464-token prompts, against each alone."""
+    short_alone = first_token(open_stream, prompt(SHORT_TOKENS))
+    long_alone = first_token(open_stream, prompt(LONG_TOKENS))
+    longs = [prompt(LONG_TOKENS) for _ in range(N_LONG)]
+    with ThreadPoolExecutor(N_LONG) as pool:
+        futs = [pool.submit(first_token, open_stream, p) for p in longs]
+        time.sleep(0.2)
+        behind = first_token(open_stream, prompt(SHORT_TOKENS))
+        long_loaded = max(f.result() for f in futs)
+    return {"short_alone_s": round(short_alone, 3), "long_alone_s": round(long_alone, 2),
+            "short_behind_s": round(behind, 3), "short_behind_over_long_alone": round(behind / long_alone, 2),
+            "last_long_s": round(long_loaded, 2)}
 
-        def open_stream(prompt: list[int], n: int) -> Iterator[int]:
-            for o in e.stream(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)):
-                yield o.n_tokens
 
-        return open_stream, e.close
-    return start
+def pinned_cell(open_stream: Opener, prompt: Prompts) -> dict:
+    """An unpinned request beside requests pinned to a busy slot."""
+    alone = first_token(open_stream, prompt(SHORT_TOKENS))
+    started = threading.Event()
+    stop = threading.Event()
+
+    def blocker() -> None:
+        it = open_stream(prompt(SHORT_TOKENS), 3000, 0)
+        try:
+            for n in it:
+                if n:
+                    started.set()
+                if stop.is_set():
+                    break
+        finally:
+            close = getattr(it, "close", None)
+            if close:
+                close()
+
+    def pinned() -> str:
+        try:
+            first_token(open_stream, prompt(SHORT_TOKENS), 0)
+            return "ok"
+        except Refused:
+            return "429"
+
+    b = threading.Thread(target=blocker, daemon=True)
+    b.start()
+    started.wait(60)
+    with ThreadPoolExecutor(PER_SLOT + 4) as pool:
+        futs = [pool.submit(pinned) for _ in range(PER_SLOT + 4)]
+        time.sleep(0.5)
+        try:
+            beside = first_token(open_stream, prompt(SHORT_TOKENS))
+            status = "ok"
+        except Refused:
+            beside, status = float("nan"), "429"
+        stop.set()  # the blocker ends: the pinned ones get slot 0 in turn
+        answers = [f.result() for f in futs]
+    b.join(60)
+    return {"unpinned_alone_s": round(alone, 3), "unpinned_beside_s": round(beside, 3), "unpinned": status,
+            "pinned_refused": answers.count("429"), "pinned_sent": len(answers)}
 
 
-def llama_server_arm() -> tuple[Callable, Callable]:
-    import httpx
+def http_opener(base: str) -> Opener:
+    """llama-server's ``/completion``, streamed: one yield per event with its token count."""
+    client = httpx.Client(base_url=base, timeout=900, limits=httpx.Limits(max_connections=64))
 
-    from bench.llama_server import LlamaServer
-
-    ls = LlamaServer(GEMMA_MODEL, n_layer=N_LAYER, n_peer=N_PEER, output_local=True, slots=SLOTS,
-                     n_ctx=SLOTS * 4352, port=LS_PORT, rpc_port=LS_RPC, flash_attn="on")
-
-    def open_stream(prompt: list[int], n: int) -> Iterator[int]:
+    def open_stream(prompt: list[int], n: int, id_slot: int) -> Iterator[int]:
         body = {"prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True, "stream": True,
-                "cache_prompt": False}
-        with httpx.stream("POST", ls.base + "/completion", json=body, timeout=900) as r:
+                "cache_prompt": False, "id_slot": id_slot, "return_tokens": True}
+        with client.stream("POST", "/completion", json=body) as r:
+            if r.status_code == 429:
+                raise Refused(f"HTTP {r.status_code}")
+            r.raise_for_status()
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     d = json.loads(line[6:])
-                    yield 1 if d.get("content") or d.get("tokens") else 0
+                    if "error" in d:
+                        raise RuntimeError(d["error"])
+                    yield len(d.get("tokens") or ()) or (1 if d.get("content") else 0)
                     if d.get("stop"):
                         return
 
-    return open_stream, ls.close
+    return open_stream
 
 
-ARMS = {
-    "1 group, chunked prefill": engine_arm(1, 0.5),
-    "1 group, whole batches": engine_arm(1, None),
-    "2 groups, chunked prefill": engine_arm(2, 0.5),
-    "2 groups, whole batches": engine_arm(2, None),
-    # a lower floor under the learnt chunk (on a CPU the learnt chunk is below it)
-    "1 group, chunked prefill, chunk_min 4": engine_arm(1, 0.5, 4),
-    "2 groups, chunked prefill, chunk_min 4": engine_arm(2, 0.5, 4),
-    "llama-server": llama_server_arm,
+class Stack:
+    """The local two-node cluster with Serve, started once for the engine's arms."""
+
+    def __init__(self) -> None:
+        from bench.run import HttpStack
+
+        self.http = HttpStack()
+
+    def arm(self, **knobs: object) -> tuple[Opener, Callable[[], None]]:
+        conf = yaml.safe_load((ROOT / "deployments" / "configs" / "local.yaml").read_text())
+        args = {**conf["applications"][0]["args"], "n_parallel": SLOTS, "n_ctx": SLOTS * N_CTX_SLOT,
+                "peer_layers": N_PEER, "max_queued_per_slot": PER_SLOT, **knobs}
+        args["rpc"] = {**args["rpc"], "port": RPC_PORT}
+        self.http.deploy(args)
+        return http_opener(self.http.base), lambda: None
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def llama_server_arm() -> tuple[Opener, Callable[[], None]]:
+    from bench.llama_server import LlamaServer
+
+    ls = LlamaServer(CHAT_MODEL, n_layer=N_LAYER, n_peer=N_PEER, output_local=True, slots=SLOTS,
+                     n_ctx=SLOTS * N_CTX_SLOT, port=LS_PORT, rpc_port=LS_RPC)
+    return http_opener(ls.base), ls.close
+
+
+# arm -> (how it starts, the cells it runs)
+ALL, LONG = ("long", "short", "pinned"), ("long",)
+ENGINE_ARMS: dict[str, tuple[dict, tuple[str, ...]]] = {  # arm -> (knobs, cells)
+    "defaults (gap 3, rate 0.7)": ({}, ALL),
+    "rate 0 (the gap bound alone)": ({"prefill_min_rate": 0.0}, LONG),
+    "rate 0.5": ({"prefill_min_rate": 0.5}, LONG),
+    "rate 0.85": ({"prefill_min_rate": 0.85}, LONG),
+    "whole batches (gap null)": ({"prefill_gap_factor": None}, LONG),
 }
+LLAMA_SERVER = "llama-server"
+ARMS = [*ENGINE_ARMS, LLAMA_SERVER]
+
+
+def tables(rows: list[dict]) -> str:
+    out = ["| arm | long prompt loaded / alone | streams steady median / p99 | during its prefill median / p99 / "
+           "longest | longest / steady p99 |", "|---|---|---|---|---|"]
+    for r in rows:
+        if "prefill_ratio" in r:
+            out.append(f"| {r['arm']} | {r['prefill_loaded_s']} / {r['prefill_alone_s']} s "
+                       f"(**{r['prefill_ratio']}x**) | {r['steady_median_ms']} / {r['steady_p99_ms']} ms | "
+                       f"{r['during_median_ms']} / {r['during_p99_ms']} / {r['during_max_ms']} ms | "
+                       f"**{r['during_max_ms'] / max(r['steady_p99_ms'], 1e-9):.2f}x** |")
+    out += ["", f"| arm | short request behind {N_LONG} x {LONG_TOKENS} tokens / alone | one {LONG_TOKENS}-token "
+            "prompt alone | short behind / that | the last long one's first token |", "|---|---|---|---|---|"]
+    for r in rows:
+        if "short_behind_s" in r:
+            out.append(f"| {r['arm']} | {r['short_behind_s']} / {r['short_alone_s']} s | {r['long_alone_s']} s | "
+                       f"**{r['short_behind_over_long_alone']}x** | {r['last_long_s']} s |")
+    out += ["", f"| arm | unpinned beside {PER_SLOT + 4} pinned to a busy slot / alone | pinned refused (429) |",
+            "|---|---|---|"]
+    for r in rows:
+        if "unpinned" in r:
+            out.append(f"| {r['arm']} | {r['unpinned']}, {r['unpinned_beside_s']} / {r['unpinned_alone_s']} s | "
+                       f"{r['pinned_refused']} of {r['pinned_sent']} |")
+    return "\n".join(out)
+
+
+def run_arm(name: str, open_stream: Opener, cells: set[str], arm_cells: tuple[str, ...], a: argparse.Namespace) -> dict:
+    prompt = Prompts()  # the same prompts for every arm
+    row: dict = {"arm": name, "prompt": a.prompt}
+    first_token(open_stream, prompt(64))  # warm-up
+    if "long" in cells and "long" in arm_cells:
+        row |= long_cell(open_stream, prompt, a.prompt, a.steady)
+    if "short" in cells and "short" in arm_cells:
+        row |= short_cell(open_stream, prompt)
+    if "pinned" in cells and "pinned" in arm_cells:
+        row |= pinned_cell(open_stream, prompt)
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompt", type=int, default=4096, help="tokens of the long prompt")
-    ap.add_argument("--steady", type=float, default=8.0, help="seconds of steady decoding measured first")
+    ap.add_argument("--prompt", type=int, default=3000, help="tokens of the long prompt")
+    ap.add_argument("--steady", type=float, default=10.0, help="seconds of steady decoding measured first")
     ap.add_argument("--arms", default=";".join(ARMS), help="arm names, separated by semicolons")
+    ap.add_argument("--cells", default=",".join(ALL), help="cells to run, of long,short,pinned")
     a = ap.parse_args(argv)
-    streams, long_prompt = prompts(a.prompt)
-    server = rpc_server.launch("127.0.0.1", PORT, threads=1)
+    cells, names = set(a.cells.split(",")), a.arms.split(";")
+    unknown = [n for n in names if n not in ARMS]
+    if unknown:
+        ap.error(f"unknown arms {unknown}; known: {ARMS}")
     rows = []
-    try:
-        for name in a.arms.split(";"):
+    engine_names = [n for n in names if n in ENGINE_ARMS]
+    if engine_names:
+        stack = Stack()
+        try:
+            for name in engine_names:
+                knobs, arm_cells = ENGINE_ARMS[name]
+                open_stream, _ = stack.arm(**knobs)
+                rows.append(run_arm(name, open_stream, cells, arm_cells, a))
+        finally:
+            stack.close()
+    if LLAMA_SERVER in names:
+        try:
+            open_stream, close = llama_server_arm()
+        except FileNotFoundError as e:  # llama-server not built
+            print(f"{LLAMA_SERVER}: skipped ({e})", flush=True)
+        else:
             try:
-                open_stream, close = ARMS[name]()
-            except FileNotFoundError as e:  # llama-server not built
-                print(f"{name}: skipped ({e})", flush=True)
-                continue
-            try:
-                list(open_stream(long_prompt[:64], 2))  # warm-up
-                row = {"arm": name, "prompt": a.prompt, **timeline(open_stream, streams, long_prompt, a.steady)}
+                rows.append(run_arm(LLAMA_SERVER, open_stream, cells, ALL, a))
             finally:
                 close()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    finally:
-        server.kill()
-        server.wait()
-    lines = ["| arm | prefill | steady gap median / p99 | gap during the prefill median / p99 / longest |",
-             "|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['arm']} | {r['prefill_s']} s | {r['steady_median_ms']} / {r['steady_p99_ms']} ms | "
-                     f"{r['during_median_ms']} / {r['during_p99_ms']} / {r['during_max_ms']} ms |")
-    table = "\n".join(lines)
+    table = tables(rows)
     print(table)
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
