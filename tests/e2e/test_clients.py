@@ -288,8 +288,9 @@ def test_dspys_json_adapter_gets_json_by_its_structured_output_request(base, mon
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # dspy's model catalog, without a download
     import dspy
 
-    lm = dspy.LM("openai/gpt-4o-mini", api_base=base + "/v1", api_key="none", cache=False, max_tokens=48,
-                 num_retries=0)
+    # room for the whitespace the grammar allows between tokens (up to 21 characters a gap)
+    lm = dspy.LM("openai/gpt-4o-mini", api_base=base + "/v1", api_key="none", cache=False, max_tokens=256,
+                 temperature=0, num_retries=0)
 
     class Sum(dspy.Signature):
         question: str = dspy.InputField()
