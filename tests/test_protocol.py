@@ -187,3 +187,35 @@ def test_sse_events_encode_as_openai_chunks():
         assert d["object"] == ("chat.completion.chunk" if kind == "chat" else "text_completion")
         last = json.loads(ev.chunk("x", "stop")[6:])
         assert last["choices"][0]["finish_reason"] == "stop"
+
+
+def _stream(include_usage: bool, n: int) -> list[dict]:
+    """A streamed chat answer of ``n`` choices, as SSE chunk objects."""
+    from types import SimpleNamespace
+
+    from deployments.api.openai import ChoicesShaper
+
+    run = SimpleNamespace(include_usage=include_usage, n=n, n_logprobs=lambda: None)
+    answer = SimpleNamespace(run=run, rid="id-1", model="m", submitted=SimpleNamespace(tools=None, reasoning=None))
+    shaper = ChoicesShaper(answer, "chat")
+    rids = ["id-1"] + [f"id-1#{i}" for i in range(1, n)]
+    raw = shaper.opening() + b"".join(shaper.events([Output(rid, "ab", 1, prompt_tokens=3, completion_tokens=1)])
+                                      for rid in rids)
+    for rid in rids:  # the choices end one after the other
+        raw += shaper.events([Output(rid, "c", 1, FinishReason.STOP, prompt_tokens=3, completion_tokens=2)])
+    raw += shaper.closing()
+    return [json.loads(line[6:]) for line in raw.decode().split("\n") if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_stream_without_include_usage_has_its_usage_on_the_last_finishing_chunk(n):
+    """As llama-server wrote it before it had stream_options (haystack reads it there); with
+    include_usage, OpenAI's usage chunk (no choices) instead, and no usage anywhere else."""
+    chunks = _stream(False, n)
+    with_usage = [c for c in chunks if c.get("usage")]
+    assert len(with_usage) == 1 and with_usage[0] is chunks[-1], chunks
+    assert with_usage[0]["choices"][0]["finish_reason"] == "stop"
+    assert with_usage[0]["usage"]["prompt_tokens"] == 3 and with_usage[0]["usage"]["completion_tokens"] == 2 * n
+    asked = _stream(True, n)
+    assert [c for c in asked if c.get("usage")] == [asked[-1]] and asked[-1]["choices"] == []
+    assert asked[-1]["usage"] == with_usage[0]["usage"]

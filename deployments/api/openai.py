@@ -243,9 +243,10 @@ class SseEvents:
 
     def chunk(self, text: str | None, finish: str | None, first: bool = False, logprobs: dict | None = None,
               tool_calls: list[dict] | None = None, index: int = 0, final: Output | None = None,
-              reasoning: str | None = None) -> bytes:
+              reasoning: str | None = None, usage: dict | None = None) -> bytes:
         """One chunk; ``final``: the choice's last output, whose llama-server ``timings`` it carries;
-        ``reasoning``: thinking text (chat: ``delta.reasoning_content``)."""
+        ``reasoning``: thinking text (chat: ``delta.reasoning_content``); ``usage``: the request's
+        usage, on the chunk that ends its last choice when no usage chunk was asked for."""
         if text and finish is None and not first and logprobs is None and tool_calls is None and index == 0 \
                 and not reasoning:
             return self._prefix + dumps(text).encode() + self._suffix  # the per-token case
@@ -263,7 +264,9 @@ class SseEvents:
         else:
             choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         body = {**self.head, "choices": [choice]}
-        if self.include_usage:
+        if usage is not None:
+            body["usage"] = usage
+        elif self.include_usage:
             body["usage"] = None
         if final is not None:
             body["timings"] = timings(final)
@@ -328,9 +331,9 @@ class Choice:
 
     # ---- the stream ---------------------------------------------------------------------------
 
-    def events(self, ev: SseEvents, outs: list[Output]) -> bytes:
+    def events(self, ev: SseEvents, outs: list[Output], usage: dict | None = None) -> bytes:
         """The SSE chunks for outputs that arrived for this choice (not for a failed end: the
-        caller sends the error)."""
+        caller sends the error); ``usage`` goes on its closing chunk."""
         self.last = outs[-1]
         text = "".join(o.text for o in outs)
         thinking = ""
@@ -349,9 +352,9 @@ class Choice:
         head = ev.chunk(None, None, index=self.index, reasoning=thinking) if thinking else b""
         if finish is None or finish.failed:
             return head + (ev.chunk(text, None, logprobs=lp, index=self.index) if text or lp else b"")
-        return head + self._closing(ev, text, lp, finish)
+        return head + self._closing(ev, text, lp, finish, usage)
 
-    def _closing(self, ev: SseEvents, text: str, lp: dict | None, finish: Any) -> bytes:
+    def _closing(self, ev: SseEvents, text: str, lp: dict | None, finish: Any, usage: dict | None) -> bytes:
         calls = None
         if self._calls is not None:  # the held text: content, then the calls it holds
             rest, calls = self._calls.finish()
@@ -361,11 +364,11 @@ class Choice:
         if calls:
             return (ev.chunk(text, None, logprobs=lp, index=self.index) if text or lp else b"") \
                 + ev.chunk(None, None, tool_calls=calls, index=self.index) \
-                + ev.chunk(None, finish, index=self.index, final=last)
+                + ev.chunk(None, finish, index=self.index, final=last, usage=usage)
         if self.kind == "chat" and (text or lp):
             return ev.chunk(text, None, logprobs=lp, index=self.index) + ev.chunk(None, finish, index=self.index,
-                                                                                 final=last)
-        return ev.chunk(text, finish, logprobs=lp, index=self.index, final=last)
+                                                                                 final=last, usage=usage)
+        return ev.chunk(text, finish, logprobs=lp, index=self.index, final=last, usage=usage)
 
 
 class ChoicesShaper:
@@ -397,8 +400,20 @@ class ChoicesShaper:
     def events(self, batch: list[Output]) -> bytes:
         out = b"".join(self.ev.progress(o) for o in batch if o.progress is not None)
         for i, outs in by_choice(batch).items():
-            out += self.choices[i].events(self.ev, outs)
+            out += self.choices[i].events(self.ev, outs, self._usage_if_last(i, outs[-1]))
         return out
+
+    def _usage_if_last(self, i: int, last: Output) -> dict | None:
+        """Without ``stream_options.include_usage`` the usage rides on the chunk that ends the
+        last choice, as llama-server wrote it on its finishing chunk before it had the option
+        (haystack, among others, reads it there): a client that asked for nothing still learns
+        its token counts, and one that asked gets OpenAI's separate usage chunk instead."""
+        if self.include_usage or last.finish_reason is None or last.finish_reason.failed:
+            return None
+        others = [c for c in self.choices if c.index != i]
+        if not all(c.finished for c in others):
+            return None
+        return total_usage([last if c.index == i else c.last for c in self.choices])
 
     def closing(self) -> bytes:
         return (self.ev.usage([c.last for c in self.choices]) if self.include_usage else b"") + DONE

@@ -6,6 +6,7 @@ probabilities and metric names."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import httpx
@@ -21,11 +22,12 @@ FIXTURES = {k: v for k, v in json.loads((Path(__file__).parents[1] / "fixtures" 
 
 @pytest.fixture(scope="module")
 def base(deploy) -> str:
-    """The API app on a synthetic model that carries FIM tokens (for /infill), with embeddings."""
+    """The API app on a synthetic model that carries FIM tokens (for /infill), with embeddings;
+    slots of 2,048 tokens, which dspy's JSON prompts need."""
     path = Path(__file__).parents[2] / "models" / "synthetic-fim.gguf"
     if not path.exists():
         write_model(path, ModelShape(fim=True))
-    return deploy({**APP, "model": str(path), "embeddings": True})
+    return deploy({**APP, "model": str(path), "embeddings": True, "n_ctx": 8192})
 
 
 def sse(r: httpx.Response) -> list[dict]:
@@ -254,3 +256,108 @@ def test_sillytaverns_status_check_and_token_count(base):
     assert ids and ids[0]
     r = httpx.post(base + "/tokenize", json={"content": "Hello there"}, timeout=30).json()
     assert len(r["tokens"]) >= 1
+
+
+# ---- client libraries that read what llama-server writes, through their own code -------------------
+
+
+def test_haystacks_streamed_reply_carries_its_usage(base, monkeypatch):
+    """haystack's OpenAIChatGenerator streams without stream_options and keeps the last usage
+    any chunk carries (haystack/components/generators/utils.py, haystack-ai 3.4): the usage
+    comes on the chunk that ends the answer, as llama-server wrote it."""
+    monkeypatch.setenv("HAYSTACK_TELEMETRY_ENABLED", "False")
+    from haystack.components.generators.chat import OpenAIChatGenerator
+    from haystack.dataclasses import ChatMessage
+    from haystack.utils import Secret
+
+    chunks = []
+    gen = OpenAIChatGenerator(api_key=Secret.from_token("none"), model="gpt-4o-mini", api_base_url=base + "/v1",
+                              streaming_callback=chunks.append, generation_kwargs={"max_tokens": 5}, max_retries=0)
+    reply = gen.run([ChatMessage.from_user("hi")])["replies"][0]
+    assert reply.text == "".join(c.content for c in chunks) and reply.meta["finish_reason"] in ("stop", "length")
+    usage = reply.meta["usage"]
+    assert usage and 1 <= usage["completion_tokens"] <= 5 and usage["prompt_tokens"] > 1, reply.meta
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_dspys_json_adapter_gets_json_by_its_structured_output_request(base, monkeypatch):
+    """dspy.LM("openai/<a model its catalog knows>"): ChatAdapter's answer (gibberish here)
+    fails to parse, so dspy retries with its JSONAdapter, which sends response_format
+    json_schema; a typed signature with the JSONAdapter sends it at once. The answer is JSON
+    by the grammar, whatever the model."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # dspy's model catalog, without a download
+    import dspy
+
+    # room for the whitespace the grammar allows between tokens (up to 21 characters a gap)
+    lm = dspy.LM("openai/gpt-4o-mini", api_base=base + "/v1", api_key="none", cache=False, max_tokens=256,
+                 temperature=0, num_retries=0)
+
+    class Sum(dspy.Signature):
+        question: str = dspy.InputField()
+        answer: int = dspy.OutputField()
+        sure: bool = dspy.OutputField()
+
+    with dspy.context(lm=lm, adapter=dspy.JSONAdapter()):
+        typed = dspy.Predict(Sum)(question="1 + 1?")
+    assert isinstance(typed.answer, int) and isinstance(typed.sure, bool), typed
+    with dspy.context(lm=lm):  # dspy's default adapter: ChatAdapter, then its JSONAdapter fallback
+        plain = dspy.Predict("question -> answer: int")(question="1 + 1?")
+    assert isinstance(plain.answer, int), plain
+
+
+def test_the_llm_clis_continued_conversation_sends_the_earlier_turns(base, tmp_path):
+    """simonw/llm with an extra OpenAI model (extra-openai-models.yaml): `llm -c` and `llm chat`
+    resend the conversation's turns; the server's usage, as llm logs it, shows them arrive."""
+    import subprocess
+    import sys
+
+    (tmp_path / "extra-openai-models.yaml").write_text(f"- model_id: pgroups\n  model_name: any\n"
+                                                       f"  api_base: {base}/v1\n")
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path)}
+
+    def llm(*args: str, stdin: str | None = None) -> str:
+        r = subprocess.run([sys.executable, "-m", "llm", *args], env=env, input=stdin, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, (args, r.stdout[-500:], r.stderr[-1000:])
+        return r.stdout
+
+    llm("-m", "pgroups", "-o", "max_tokens", "4", "What is the capital of France?")
+    llm("-c", "-o", "max_tokens", "4", "And of Italy?")
+    llm("chat", "-m", "pgroups", "-o", "max_tokens", "4", stdin="one\ntwo\nthree\nexit\n")
+    logs = json.loads(llm("logs", "-n", "0", "--json"))
+    turns: dict[str, list[dict]] = {}
+    for r in sorted(logs, key=lambda r: r["datetime_utc"]):
+        turns.setdefault(r["conversation_id"], []).append(r)
+    assert sorted(len(t) for t in turns.values()) == [2, 3], logs
+    for conv in turns.values():
+        for before, after in zip(conv, conv[1:], strict=False):  # each turn's prompt holds the one before
+            assert after["input_tokens"] > before["input_tokens"] + before["output_tokens"], conv
+
+
+@pytest.fixture(scope="module")
+def demo(deploy) -> str:
+    """The demo model (it ends its JSON strings, as a random one never does), with slots that
+    hold smolagents' system prompt (about 2,000 of its tokens)."""
+    from engine.models import CHAT_MODEL
+
+    if not CHAT_MODEL.exists():
+        pytest.fail(f"{CHAT_MODEL} is missing: run `make model`")
+    return deploy({**APP, "model": str(CHAT_MODEL), "n_ctx": 8192, "n_parallel": 2})
+
+
+def test_smolagents_structured_code_step_is_whole_json(demo):
+    """smolagents' CodeAgent(use_structured_outputs_internally=True) sends response_format
+    json_schema {thought, code}, stop ["Observation:", "Calling tools:", "</code>"] and no
+    max_tokens (agents.py, smolagents 1.26), so a step runs until the model ends its JSON or the
+    slot is full. The step's output is the whole object it parses."""
+    from smolagents import ActionStep, CodeAgent, OpenAIServerModel
+    from smolagents.utils import AgentParsingError
+
+    model = OpenAIServerModel(model_id="gpt-4o-mini", api_base=demo + "/v1", api_key="none", temperature=0)
+    agent = CodeAgent(tools=[], model=model, use_structured_outputs_internally=True, max_steps=1, verbosity_level=0)
+    events = agent.run("What is 1 + 1?", stream=True)
+    step = next(e for e in events if isinstance(e, ActionStep))  # the first step only: one model call
+    events.close()
+    parsed = json.loads(step.model_output)
+    assert set(parsed) == {"thought", "code"} and all(isinstance(v, str) for v in parsed.values()), parsed
+    assert not isinstance(step.error, AgentParsingError), step.error  # the code may fail to run; its JSON is whole
