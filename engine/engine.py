@@ -34,8 +34,8 @@ from engine.prefix import sharing_on
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.slots import Slot, SlotView
-from engine.text import TextStream
 from engine.speculative import load_draft_model
+from engine.text import TextStream
 from engine.tokenizer import Tokenizer, TokenLimit
 from engine.types import Output, Request, RequestError
 
