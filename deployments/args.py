@@ -151,6 +151,17 @@ class AppArgs(EngineConfig):
         description="A decode step that waits this long on the RPC stage (a frozen peer) fails the "
         "requests in flight with 503 and restarts the engine replica; well above the slowest step.",
     )
+    resume_limit: int = Field(
+        default=3, ge=0, le=100,
+        description="Resumes per choice of a request whose engine replica failed it for a fault (its output "
+        "stream ended, its stage was lost or froze): the ingress sends it again with the tokens emitted so far "
+        "and the client's stream goes on. 0: such a request fails with 503, as a request that two replicas "
+        "failed does.")
+    resume_wait_s: float = Field(
+        default=120.0, gt=0, le=3600,
+        description="How long a request to resume waits for an engine replica to take it (another pair, or the "
+        "restarted replica once it serves); past it the request fails with 503. Cover a replica's restart: "
+        "stage_timeout_s for a frozen stage, then the model's load.")
     replicas: int = Field(
         default=1, ge=1, le=256,
         description="Engine replicas: with rpc.per_replica, pairs of nodes. A Serve config's "

@@ -23,7 +23,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from deployments.api.base import CLIENT_ERRORS, ApiError, BodyError
-from deployments.api.values import Prepared, Submitted
+from deployments.api.values import Prepared, ResumeSpec, Submitted
 from deployments.args import PEER_RESOURCE, RpcArgs
 from deployments.router import STATS_PERIOD_S, Route
 from deployments.streams import EngineStreams
@@ -210,7 +210,7 @@ class EngineDeployment:
         if conn_id not in self.out.conns:
             return ApiError(503, NOT_CONNECTED)
         try:
-            prepared: Prepared = await self._off_loop(n_bytes, req.prepare, self.engine, request_id)
+            prepared, spec = await self._off_loop(n_bytes, _prepare, req, self.engine, request_id)
         except BodyError as e:
             return ApiError(e.status, e.message)
         except CLIENT_ERRORS as e:
@@ -231,7 +231,7 @@ class EngineDeployment:
                 return ApiError(429, str(e))
             return ApiError(503, str(e))
         return Submitted(len(r.prompt_tokens), r.n_predict, self._replica, conn_id, self.engine.n_ctx_slot,
-                         echo=prepared.echo, tools=prepared.tools, reasoning=prepared.reasoning)
+                         echo=prepared.echo, tools=prepared.tools, reasoning=prepared.reasoning, resume=spec)
 
     async def run(self, req: Any, n_bytes: int = 0) -> Any:
         """An API's call (``req.run(engine)``: tokenize, detokenize, apply a template, count
@@ -474,6 +474,14 @@ class EngineDeployment:
         if eng is not None:
             # a stalled decode never returns: do not wait for its group
             eng.close(timeout=1.0 if self._failed else 30.0)
+
+
+def _prepare(req: Any, engine: Engine, request_id: str) -> tuple[Prepared, ResumeSpec | None]:
+    """A request's engine request and what resuming it needs (none for a continuation: the
+    ingress keeps the spec of the request it continues)."""
+    prepared: Prepared = req.prepare(engine, request_id)
+    r = prepared.request
+    return prepared, None if r.n_resumed else ResumeSpec.of(r)
 
 
 def _version() -> str:

@@ -43,6 +43,7 @@ from deployments.api.base import (
 )
 from deployments.direct import DirectServer, HttpLimits
 from deployments.guard import Guard, GuardSettings
+from deployments.resume import Resumer, ResumeSettings
 from deployments.router import Route, prefix_hashes, routing_text
 from deployments.streams import IngressStreams, Pending, detached
 from engine.types import SHUTTING_DOWN, FinishReason, Output
@@ -251,10 +252,13 @@ class Ingress:
         guard: dict[str, Any] | None = None,
         http: tuple[str, int] | None = None,
         http_limits: dict[str, Any] | None = None,
+        resume_limit: int = 3,
+        resume_wait_s: float = 120.0,
     ) -> None:
         """``http``: the address and port this replica serves HTTP on itself (direct ingress,
         ``deployments.direct``: Serve runs no proxy), within ``http_limits`` (``HttpLimits``'
-        fields); None: behind Serve's proxy."""
+        fields); None: behind Serve's proxy. ``resume_limit``, ``resume_wait_s``: how a request
+        its engine replica failed for a fault is resumed (``deployments.resume``)."""
         self.engine = engine
         self.model_names = model_names
         self.strict = strict_request_fields
@@ -262,6 +266,7 @@ class Ingress:
         self.api_key = api_key
         self.request_timeout_s = request_timeout_s
         self.out = IngressStreams(engine, connect_timeout_s)
+        self.resumer = Resumer(engine, self.out, ResumeSettings(resume_limit, resume_wait_s))
         self.bodies = ThreadPoolExecutor(BODY_THREADS, thread_name_prefix="ingress-bodies")
         self.internal_errors = 0  # 500s: the server's own faults
         self.guard = GuardSettings(max_body_bytes=max_body_bytes, keyless=not api_key, max_requests=MAX_ONGOING,
@@ -278,7 +283,8 @@ class Ingress:
 
     def tables(self) -> dict:
         """Sizes of the per-request tables (a leak shows here)."""
-        return {"pending": len(self.out.pending), "connected": self.out.connected.is_set(),
+        return {"pending": len(self.out.pending), "resuming": len(self.resumer.tasks),
+                "connected": self.out.connected.is_set(),
                 "rss_bytes": rss_bytes(os.getpid()), "streams": dict(self.out.streams),
                 "known": sorted(self.out.known()), "ignored_fields": len(self.ignored_fields)}
 
@@ -395,7 +401,7 @@ class Ingress:
         if isinstance(res, ApiError):
             self.out.forget(rid, req.n)
             raise HTTPError(res.status, res.message, headers={"Retry-After": "1"} if res.status in (429, 503) else None)
-        p.conn, p.replica, p.echo = res.conn, res.replica, res.echo  # echo: completions' prompt text comes first
+        p.taken(res)  # its stream, its replica, its prompt's ids; echo: completions' prompt text comes first
         if p.conn not in self.out.streams.values():  # its stream ended while it was submitted
             self.out.fail_stream(p.conn)
         try:
@@ -461,13 +467,20 @@ class Ingress:
             await self._release(rid)
 
     async def _release(self, rid: str) -> None:
-        """Forget a request (every choice); cancel it in the engine unless it finished."""
+        """Forget a request (every choice, whatever it ran as); cancel in the engine what of it
+        has not finished. It is never resumed after this."""
         p = self.out.pending.get(rid)
         if p is None:
             return
-        self.out.forget(rid, p.n)
-        if not p.finished:
-            detached(self._cancel(rid, p.n, p.replica))
+        p.closed = True
+        self.out.forget_all(p)
+        if p.finished:
+            return
+        if any(c.engine_id == m and not c.done for c, m in zip(p.choices, member_ids(rid, p.n), strict=True)):
+            detached(self._cancel(rid, p.n, p.replica))  # the request as first submitted, its family whole
+        for c in p.choices:
+            if c.resumes and not c.done and c.replica is not None:
+                detached(self._cancel(c.engine_id, 1, c.replica))
 
     async def _cancel(self, rid: str, n: int = 1, replica: str | None = None) -> None:
         try:
@@ -478,13 +491,13 @@ class Ingress:
     async def _outputs(self, rid: str, p: Pending) -> AsyncIterator[list[Output]]:
         """The request's outputs until its last, as lists of what has arrived since the last
         read (one list per step while the client keeps up, several steps when it falls
-        behind); cancels the request in the engine if abandoned."""
+        behind), each as its choice's (a fault is resumed, not passed on: ``Resumer.take``);
+        cancels the request in the engine if abandoned."""
         deadline = time.monotonic() + self.request_timeout_s if self.request_timeout_s else None
-        q, n = p.queue, p.n
-        left = n  # choices not finished
+        q, take = p.queue, self.resumer.take
         try:
             if p.echo:
-                yield [Output(m, p.echo, 0) for m in member_ids(rid, n)]
+                yield [Output(m, p.echo, 0) for m in member_ids(rid, p.n)]
             while True:
                 timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
@@ -493,16 +506,12 @@ class Ingress:
                     yield [Output(rid, "", 0, FinishReason.ERROR, error=f"request timed out after {self.request_timeout_s} s",
                                   status=504)]
                     return
-                batch = [o]
-                left -= o.finish_reason is not None
-                while left and not q.empty():
-                    o = q.get_nowait()
-                    batch.append(o)
-                    left -= o.finish_reason is not None
-                if not left:
-                    p.finished = True
-                yield batch
-                if not left:
+                batch = take(p, o)
+                while not p.finished and not q.empty():
+                    batch += take(p, q.get_nowait())
+                if batch:
+                    yield batch
+                if p.finished:
                     return
         finally:
             await self._release(rid)
@@ -531,7 +540,7 @@ class Ingress:
     async def metrics(self, request: Request) -> Response:
         self.check_auth(request)
         parts = await self.each_replica(lambda engine, replica: engine.metrics_text.remote(replica=replica))
-        text = merge_exposition([*parts, self._ingress_metrics()])
+        text = merge_exposition([*parts, self._ingress_metrics(), self.resumer.metrics.render()])
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def _ingress_metrics(self) -> bytes:

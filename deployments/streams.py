@@ -8,8 +8,8 @@ cost more than the model on a small box.
 
 Every opening of a stream has its own connection id; a request is submitted on the current
 connection and registered in the ingress first, so no output can arrive for an unknown
-request, and a stream that ends fails only its own requests (503, retry) in the ingress and
-cancels only its own requests in the engine.
+request, and a stream that ends fails only its own requests in the ingress (a fault, which
+``deployments.resume`` resumes) and cancels only its own requests in the engine.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -140,11 +141,41 @@ class EngineStreams:
 # ---- the ingress's half --------------------------------------------------------------------------
 
 
-class Pending:
-    """A request waiting for outputs: its queue (every choice's outputs) and the output
-    stream it came by."""
+STREAM_LOST = "the engine replica restarted; retry the request"
 
-    __slots__ = ("rid", "queue", "conn", "replica", "finished", "echo", "n")
+
+class Choice:
+    """One choice of a request in flight: the engine request it runs as now (its id, the
+    output stream and replica it came by), every token it has emitted to the client so far,
+    and its resumes (``deployments.resume``)."""
+
+    __slots__ = ("engine_id", "conn", "replica", "tokens", "base", "done", "resumes", "paused_at", "resuming",
+                 "given_up")
+
+    def __init__(self, engine_id: str) -> None:
+        self.engine_id = engine_id  # the member id first; a continuation's own id once resumed
+        self.conn: str | None = None
+        self.replica: str | None = None
+        self.tokens: list[int] = []  # emitted so far, over every replica it ran on
+        self.base = 0  # of those, the tokens emitted before the engine request it runs as now
+        self.done = False  # its last output has come
+        self.resumes = 0
+        self.paused_at: float | None = None  # since when it waits for its continuation's first output
+        self.resuming = False  # a continuation is being submitted
+        self.given_up = False  # its fault ends it: no resume left, or no replica took it in time
+
+
+class Pending:
+    """A request's round trip as the ingress holds it: its queue (every choice's outputs, by
+    whichever engine request id each runs as), the stream and replica it was submitted on, the
+    engine's request as resuming needs it (``spec``: its prompt's token ids and settings), and
+    per choice what it has emitted (``Choice``). What the client asked and how its answer is
+    shaped (each choice's text, logprobs, reasoning split, tool-call parsing) live in the
+    endpoint's shaper, which a resume keeps; the text an engine held back for a stop string is
+    rebuilt from the tokens on the replica a choice resumes on."""
+
+    __slots__ = ("rid", "queue", "conn", "replica", "finished", "echo", "n", "choices", "ids", "spec", "t0",
+                 "t_first", "lost_on", "closed", "left")
 
     def __init__(self, rid: str, n: int = 1) -> None:
         self.rid = rid
@@ -154,6 +185,48 @@ class Pending:
         self.finished = False
         self.echo: str | None = None
         self.n = n  # choices
+        members = member_ids(rid, n)
+        self.choices = [Choice(m) for m in members]
+        self.ids: dict[str, int] = {m: i for i, m in enumerate(members)}  # every engine request id -> its choice
+        self.spec: Any = None  # api.values.ResumeSpec: None, it cannot be resumed
+        self.t0 = time.monotonic()
+        self.t_first: float | None = None  # when its first token came
+        self.lost_on: set[str] = set()  # replicas that failed it
+        self.closed = False  # released: never resumed again
+        self.left = n  # choices whose last output has not come
+
+    def taken(self, res: Any) -> None:
+        """An engine replica took it (``api.values.Submitted``)."""
+        self.conn, self.replica, self.echo, self.spec = res.conn, res.replica, res.echo, res.resume
+        for c in self.choices:
+            c.conn, c.replica = res.conn, res.replica
+
+    def seen(self, o: Output) -> Output | None:
+        """``o`` as its client's choice's output (its member id, its figures counted over every
+        replica it ran on), or None: an output of an engine request the choice no longer runs as."""
+        i = self.ids.get(o.request_id)
+        if i is None:
+            return None
+        c = self.choices[i]
+        if c.done or o.request_id != c.engine_id:
+            return None
+        now = time.monotonic()
+        c.tokens.extend(o.tokens)
+        if self.t_first is None and o.tokens:
+            self.t_first = now
+        if o.finish_reason is not None:
+            c.done = True
+            self.left -= 1
+            self.finished = self.left == 0
+        if not c.resumes:
+            return o
+        o = o._replace(request_id=self.rid if i == 0 else f"{self.rid}#{i}")
+        if o.finish_reason is not None and self.spec is not None:
+            first = (self.t_first - self.t0) if self.t_first is not None else 0.0
+            o = o._replace(prompt_tokens=self.spec.n_prompt, completion_tokens=o.completion_tokens + c.base,
+                           cached_tokens=min(o.cached_tokens, self.spec.n_prompt), t_first_token=first,
+                           t_end=now - self.t0)
+        return o
 
 
 class IngressStreams:
@@ -171,6 +244,7 @@ class IngressStreams:
         self.streams: dict[str, str] = {}  # engine replica id -> the output stream's connection id
         self._opening: dict[str | None, str] = {}  # a pump's stream being opened: its connection id
         self.connected = asyncio.Event()  # at least one output stream is up
+        self._changed = asyncio.Event()
 
     @property
     def _deployment(self) -> str:
@@ -229,6 +303,7 @@ class IngressStreams:
                             break
                         replica = batch["connected"]  # the engine replica registered this stream
                         self.streams[replica] = conn
+                        self._change()
                         self._opening.pop(target, None)
                         self.connected.set()
                         backoff = 0.2
@@ -248,6 +323,7 @@ class IngressStreams:
                     del self._opening[target]
                 if replica is not None and self.streams.get(replica) == conn:
                     del self.streams[replica]
+                    self._change()
                 if not self.streams:
                     self.connected.clear()
             self.fail_stream(conn)
@@ -255,11 +331,30 @@ class IngressStreams:
             backoff = min(backoff * 2, 2.0)
 
     def fail_stream(self, conn: str) -> None:
-        lost = {id(p): p for p in self.pending.values() if p.conn == conn}
+        """The stream ``conn`` ended: each choice running by it gets a failed last output (a
+        fault, which the ingress resumes)."""
+        lost = {id(p): p for p in self.pending.values()}
         for p in lost.values():
-            for m in member_ids(p.rid, p.n):
-                p.queue.put_nowait(Output(m, "", 0, FinishReason.ERROR, error="the engine replica restarted; retry the request",
-                                          status=503))
+            for c in p.choices:
+                if c.conn == conn and not c.done and not c.resuming:
+                    p.queue.put_nowait(Output(c.engine_id, "", 0, FinishReason.ERROR, error=STREAM_LOST, status=503))
+
+    def changes(self) -> asyncio.Event:
+        """An event set the next time the set of streams changes."""
+        return self._changed
+
+    def _change(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_connected(self, timeout: float) -> dict[str, str] | None:
+        """The output streams, once at least one is up; None: none came within ``timeout``."""
+        self.ensure()
+        try:
+            await asyncio.wait_for(self.connected.wait(), max(timeout, 0.0))
+        except TimeoutError:
+            return None
+        return dict(self.streams)
 
     async def connection(self) -> dict[str, str]:
         """The output streams requests can be submitted on, by engine replica."""
@@ -281,6 +376,19 @@ class IngressStreams:
     def forget(self, rid: str, n: int) -> None:
         for m in member_ids(rid, n):
             self.pending.pop(m, None)
+
+    def forget_all(self, p: Pending) -> None:
+        """Forget every engine request id a request ran as."""
+        for eid in p.ids:
+            if self.pending.get(eid) is p:
+                del self.pending[eid]
+
+    def attempt(self, p: Pending, choice: int, engine_id: str) -> None:
+        """Choice ``choice`` of ``p`` runs as ``engine_id`` from now (registered before it is
+        submitted: no output can come for an unknown id); outputs of what it ran as are dropped."""
+        self.pending[engine_id] = p
+        p.ids[engine_id] = choice
+        p.choices[choice].engine_id = engine_id
 
     async def close(self) -> None:
         """End this replica's streams at the engines (whose graceful shutdown otherwise waits

@@ -26,7 +26,7 @@ from pathlib import Path
 from engine.budget import PrefillBudget
 from engine.config import EngineConfig
 from engine.embeddings import Embedder
-from engine.grammar import GrammarCompiler
+from engine.grammar import GrammarCompiler, GrammarDeadEnd
 from engine.group import CancelMsg, PipelineGroup, SlotBusyError, SlotOpMsg, StartMsg
 from engine.mtp import require_mtp
 from engine.native import Model, add_rpc_server, local_device_name
@@ -35,6 +35,7 @@ from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.slots import Slot, SlotView
 from engine.speculative import load_draft_model
+from engine.text import TextStream
 from engine.tokenizer import Tokenizer, TokenLimit
 from engine.types import Output, Request, RequestError
 
@@ -185,11 +186,14 @@ class Engine:
 
     def make_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-        cache_prompt: bool = True, n: int = 1, id_slot: int = -1,
+        cache_prompt: bool = True, n: int = 1, id_slot: int = -1, n_resumed: int = 0,
     ) -> Request:
         """Validate and tokenise; raises ``RequestError`` for what cannot be served. With
         ``n`` > 1 the request leads ``n - 1`` followers (see ``Request.followers``), whose
-        seeds follow its own so that every choice samples differently and reproducibly."""
+        seeds follow its own so that every choice samples differently and reproducibly.
+        ``n_resumed`` (with ``n`` 1): the prompt's last tokens are ones this request generated
+        before (on a replica that failed it); its grammar and its text stream are advanced
+        over them, so it goes on as if it had never stopped."""
         per_group = self.config.n_slots_per_group
         if not -1 <= id_slot < len(self.slots):
             raise RequestError(f"id_slot {id_slot} does not exist; slots are 0..{len(self.slots) - 1} (or -1: any)")
@@ -217,12 +221,32 @@ class Engine:
             params = params.model_copy(update={"seed": seed})
         r = Request(id=rid, prompt_tokens=tokens, params=params, n_predict=min(params.max_tokens, room),
                     cache_prompt=cache_prompt, id_slot=id_slot, grammar=grammar)
+        if n_resumed:
+            self._advance(r, tokens[len(tokens) - n_resumed:])
         for i in range(1, n):
             seed_i = (params.seed + i) % (2**32 - 1)
             r.followers.append(Request(id=f"{rid}#{i}", prompt_tokens=tokens, t_arrival=r.t_arrival,
                                        params=params.model_copy(update={"seed": seed_i}), n_predict=r.n_predict,
                                        cache_prompt=False, grammar=grammar.copy() if grammar else None))
         return r
+
+    def _advance(self, r: Request, generated: list[int]) -> None:
+        """A resumed request's state after the tokens it generated before: its grammar has
+        taken them, its text stream has read them (what it held back it holds again)."""
+        if len(generated) >= len(r.prompt_tokens):
+            raise RequestError("a resumed request needs its prompt before the tokens it generated")
+        if r.grammar is not None:
+            try:
+                for t in generated:
+                    r.grammar.accept(t)
+            except GrammarDeadEnd as e:
+                raise RequestError(f"the resumed output does not match the request's grammar: {e}") from None
+        text = TextStream(r.params.stop)
+        for t in generated:
+            text.feed(self.tokenizer.piece(t, special=False))
+        if text.stopped_by is not None:
+            raise RequestError("the resumed output holds one of the request's stop strings")
+        r.n_resumed, r.text = len(generated), text
 
     def _bounded(self, params: SamplingParams) -> SamplingParams:
         """Look-back windows at most the slot's context: the penalty and DRY samplers size their

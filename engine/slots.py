@@ -110,7 +110,8 @@ class Slot:
         assert self.state is SlotState.IDLE, f"slot {self.id} is busy"
         self.req = r
         self.sampler = sampler
-        self.text = TextStream(r.params.stop)
+        self.text = r.text if r.text is not None else TextStream(r.params.stop)
+        r.text = None
         self.n_prompt_done = self.n_reused = n_reused
         self.n_generated = 0
         self.last_token = -1

@@ -45,6 +45,11 @@ class Request:
     id_slot: int = -1  # llama-server's id_slot: run on this slot (waiting until it is free); -1: any
     # the compiled grammar of params.grammar (GrammarState), consumed by the slot that runs it
     grammar: Any = None
+    # a resumed request (one whose replica failed it): how many of ``prompt_tokens``' last
+    # tokens it had generated already, and its text stream as it stood after them (what was
+    # held back for a stop string or a split character), consumed by the slot that runs it
+    n_resumed: int = 0
+    text: Any = None
 
     @property
     def family(self) -> list[Request]:

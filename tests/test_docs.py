@@ -9,6 +9,7 @@ from pathlib import Path
 
 from deployments import reference
 from observability.metrics import EngineMetrics
+from observability.resume import ResumeMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -46,7 +47,9 @@ def exported_names() -> set[str]:
     counters = set(re.findall(r"^# TYPE (\S+) counter$", text, re.M))
     names = {n + "_total" if n in counters and not n.endswith("_total") else n for n in names}
     ingress = (REPO / "deployments" / "ingress.py").read_text()
-    return names | set(re.findall(r"# TYPE (\S+) \w+", ingress))
+    resume = ResumeMetrics().render().decode()
+    return names | set(re.findall(r"# TYPE (\S+) \w+", ingress)) | {
+        n + "_total" if kind == "counter" and not n.endswith("_total") else n for n, kind in re.findall(r"^# TYPE (\S+) (\w+)$", resume, re.M)}
 
 
 def test_every_exported_series_is_on_the_metrics_page() -> None:

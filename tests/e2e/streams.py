@@ -30,6 +30,40 @@ def served_by(base: str, prompt: str, max_tokens: int = 4) -> str:
     return r.headers["x-engine-replica"]
 
 
+def resumes(base: str) -> float:
+    """Choices the ingress has resumed after a fault (every cause)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base + "/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "pgroups_resumes_total")
+
+
+def stream_text(base: str, body: dict, progress: list | None = None) -> tuple[str, str]:
+    """One streamed completion's outcome (as ``stream_outcome``) and its text; ``progress``
+    gets one item per event with text (a caller waits for it)."""
+    parts: list[str] = []
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+            if r.status_code != 200:
+                return f"http {r.status_code}", ""
+            err = None
+            for line in r.iter_lines():
+                if line.startswith('data: {"error"'):
+                    err = json.loads(line[6:])["error"]["code"]
+                elif line == "data: [DONE]":
+                    return (f"error {err}" if err else "completed"), "".join(parts)
+                elif line.startswith("data: {"):
+                    text = "".join(c.get("text") or "" for c in json.loads(line[6:]).get("choices", []))
+                    if text:
+                        parts.append(text)
+                        if progress is not None:
+                            progress.append(1)
+            return "no end", "".join(parts)
+    except httpx.HTTPError as e:
+        return f"transport {type(e).__name__}", "".join(parts)
+
+
 def stream_outcome(base: str, body: dict, headers: dict | None = None) -> str:
     """One streamed completion: "completed", "error <code>" (an SSE error event, then [DONE]),
     "http <status>", "transport <error>" or "no end" (the stream stopped without [DONE]).
