@@ -87,6 +87,21 @@ def first_token(open_stream: Opener, prompt: list[int], id_slot: int = -1) -> fl
     raise RuntimeError("the request ended without a token")
 
 
+def follow(it: Iterator[int], on_token: Callable[[], object], stop: threading.Event) -> None:
+    """Read a stream until it ends or ``stop`` is set, calling ``on_token`` at each output with
+    tokens; the stream is closed either way."""
+    try:
+        for n in it:
+            if n:
+                on_token()
+            if stop.is_set():
+                break
+    finally:
+        close = getattr(it, "close", None)
+        if close:
+            close()
+
+
 def gaps(arrivals: list[list[float]], t_submit: float, t_first: float, steady_s: float) -> dict:
     """Gaps between consecutive outputs of each stream, by where the later one fell."""
     steady, during = [], []
@@ -114,17 +129,7 @@ def long_cell(open_stream: Opener, prompt: Prompts, n_prompt: int, steady_s: flo
     stop = threading.Event()
 
     def stream(i: int) -> None:
-        it = open_stream(streams[i], 3000, -1)
-        try:
-            for n in it:
-                if n:
-                    arrivals[i].append(time.perf_counter())
-                if stop.is_set():
-                    break
-        finally:
-            close = getattr(it, "close", None)
-            if close:
-                close()
+        follow(open_stream(streams[i], 3000, -1), lambda: arrivals[i].append(time.perf_counter()), stop)
 
     threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(streams))]
     for t in threads:
@@ -166,17 +171,7 @@ def pinned_cell(open_stream: Opener, prompt: Prompts) -> dict:
     stop = threading.Event()
 
     def blocker() -> None:
-        it = open_stream(prompt(SHORT_TOKENS), 3000, 0)
-        try:
-            for n in it:
-                if n:
-                    started.set()
-                if stop.is_set():
-                    break
-        finally:
-            close = getattr(it, "close", None)
-            if close:
-                close()
+        follow(open_stream(prompt(SHORT_TOKENS), 3000, 0), started.set, stop)
 
     def pinned() -> str:
         try:

@@ -29,6 +29,7 @@ from deployments.api.openai import ChatCompletionRequest, CompletionRequest
 from deployments.api.values import Submitted
 from engine.chat import Bound, ChatTemplate, TooLong
 from engine.tokenizer import TokenLimit
+from tests.fake_handle import FakeHandle
 from tests.test_deployment import connect, run
 
 SLOT = dict(n_ctx=512, n_parallel=2)  # 256 tokens a slot
@@ -151,25 +152,11 @@ def test_a_long_array_is_taken_only_as_token_ids_in_a_field_of_them():
 # ---- the body, not kept -------------------------------------------------------------------------
 
 
-class _Engine:
+class _Engine(FakeHandle):
     """The ingress's handle to the engine: one output stream that says hello and then nothing
     (a stream that never ends), and a submit that takes every request."""
 
     deployment_name = "engine"
-
-    def options(self, **_: Any) -> _Engine:
-        return self
-
-    def __getattr__(self, name: str) -> Any:
-        handler = getattr(self, "_" + name)
-
-        class Method:
-            remote = staticmethod(handler)
-
-        return Method
-
-    async def _info(self) -> dict:
-        return {"healthy": True}
 
     def _outputs(self, *_: Any, **__: Any) -> Any:
         async def stream() -> Any:

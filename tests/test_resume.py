@@ -21,6 +21,7 @@ from deployments.api.values import Continuation, ResumeSpec, Submitted, _ids
 from deployments.engine_deployment import NOT_CONNECTED
 from deployments.router import routing_text
 from engine.types import FinishReason, Output
+from tests.fake_handle import FakeHandle
 
 SPACE = 2**32 - 1
 STAGE_FROZEN = "the RPC stage did not answer for 61 s (stage_timeout_s 60); the engine replica restarts"
@@ -49,7 +50,7 @@ class Replica:
         self.refuse = 0  # submits it answers 503 first (restarting, no stream yet)
 
 
-class FakeEngine:
+class FakeEngine(FakeHandle):
     """The ingress's engine handle: replicas ``r1``, ``r2``, ... serving one after the other
     (the next once the one before has died). ``cues``: (replica, tokens it has emitted) ->
     what happens then: ``die`` (its process: the stream ends), ``cut`` (the watchdog: a 503 to
@@ -70,20 +71,6 @@ class FakeEngine:
     @property
     def current(self) -> Replica:
         return next(r for r in self.replicas if r.alive)
-
-    def options(self, **_: Any) -> FakeEngine:
-        return self
-
-    def __getattr__(self, name: str) -> Any:
-        handler = getattr(self, "_" + name)
-
-        class Method:
-            remote = staticmethod(handler)
-
-        return Method
-
-    async def _info(self, **_: Any) -> dict:
-        return {"healthy": True}
 
     def _outputs(self, ingress_id: str, conn: str, replica: str | None = None) -> AsyncIterator[Any]:
         r = self.current
