@@ -23,13 +23,15 @@ CPU_FLAGS := -DGGML_NATIVE=OFF -DGGML_AVX=$(call cpu_has,avx) -DGGML_AVX2=$(call
 endif
 CMAKE_FLAGS := -DGGML_RPC=on -DLLAMA_CURL=off -DLLAMA_BUILD_TESTS=off -DLLAMA_BUILD_EXAMPLES=off $(CPU_FLAGS) \
 	$(if $(filter on,$(GGML_CUDA)),-DGGML_CUDA=on,)
+# The wheel leaves out llava/mtmd (multimodal, unused here; about a fifth of the build).
+WHEEL_CMAKE_FLAGS := $(CMAKE_FLAGS) -DLLAVA_BUILD=off
 # The built wheel is kept here, keyed by the build flags, so later installs do not rebuild.
 WHEEL_CACHE ?= .cache/wheels
-FLAGS_ID := $(shell echo '$(CMAKE_FLAGS)' | md5sum | cut -c1-8)
+FLAGS_ID := $(shell echo '$(WHEEL_CMAKE_FLAGS)' | md5sum | cut -c1-8)
 WHEEL_DIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)-$(FLAGS_ID)
 STAMP := $(VENV)/.installed-$(LLAMA_VARIANT)-$(FLAGS_ID)
 
-.PHONY: install wheel model model-synthetic browser serve test test-fast test-cluster lint docs bench bench-spec bench-prefix bench-long bench-host bench-bodies bench-scale llama-server cluster-up cluster-down clean
+.PHONY: install wheel model model-synthetic browser serve test test-fast test-cluster lint docs bench bench-spec bench-prefix bench-long bench-host bench-bodies bench-faults bench-scale llama-server cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -47,7 +49,7 @@ $(WHEEL_DIR)/.built:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip wheel
 	mkdir -p $(WHEEL_DIR)
-	CMAKE_ARGS="$(CMAKE_FLAGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	CMAKE_ARGS="$(WHEEL_CMAKE_FLAGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(PIP) wheel --no-cache-dir --no-deps --no-binary llama-cpp-python \
 		llama-cpp-python==$(LLAMA_CPP_VERSION) -w $(WHEEL_DIR)
 	touch $@
@@ -132,6 +134,10 @@ bench-host: install
 # Memory and time per request with large bodies, on `make serve`'s settings (bench/bodies.py, ~5 minutes)
 bench-bodies: install model
 	$(PY) -m bench.bodies $(BENCH_ARGS)
+
+# Faults under load on `make serve`'s app: stage killed or frozen, engine replica killed, two pairs (bench/faults.py, ~10 minutes)
+bench-faults: install model
+	$(PY) -m bench.faults $(BENCH_ARGS)
 
 # A 3.6 GB model on the two-host bed (root, Linux): load, restarts, memory and long prompts,
 # against llama-server + rpc-server on the same hosts (bench/scale.py, ~25 minutes)

@@ -147,17 +147,39 @@ class EngineDeployment:
     async def _watch(self) -> None:
         """A decode that has not returned for ``stage_timeout_s`` means the peer stopped
         answering with the connection still open. llama.cpp cannot be interrupted there, so
-        the replica fails what it holds, reports itself unhealthy and is replaced by Serve;
-        the new replica connects when the stage answers again."""
+        the replica fails what it holds (the ingress resumes it elsewhere), asks the stage
+        actor for a fresh server in place of the frozen one, reports itself unhealthy and is
+        replaced by Serve; the new replica connects to the fresh server, so recovery does not
+        wait for the frozen process to wake."""
         assert self.stage_timeout_s is not None
         while self._failed is None:
             await asyncio.sleep(min(1.0, self.stage_timeout_s / 4))
             stalled = self.engine.stalled_for()
             if stalled > self.stage_timeout_s:
+                health = await self._stage_health()
                 self._fail_replica(
                     f"the RPC stage did not answer for {stalled:.0f} s (stage_timeout_s "
                     f"{self.stage_timeout_s:.0f}); the engine replica restarts"
                 )
+                await self._replace_stage_server(health)
+
+    async def _replace_stage_server(self, health: dict | None) -> None:
+        """Have the stage actor replace the server process that froze (``health``: the stage
+        as it was when the stall was seen). A stage whose actor does not answer either (the
+        whole peer node stopped) is left to come back by itself."""
+        pid = (health or {}).get("pid")
+        if not pid:
+            return
+        from deployments.stage.actor import get_stage
+
+        try:
+            stage = self._stage or get_stage()
+            replaced = await asyncio.wait_for(stage.replace_server.remote(pid), timeout=5.0)
+        except Exception as e:
+            log.warning("the stage actor did not replace the frozen server: %s", e)
+            return
+        if replaced:
+            log.warning("the stage's frozen server (pid %s) was replaced by a fresh one", pid)
 
     def _fail_replica(self, reason: str) -> None:
         log.error("%s", reason)

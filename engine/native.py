@@ -101,7 +101,8 @@ def init_backend(quiet: bool = True) -> None:
     with _init_lock:
         if _initialised:
             return
-        if quiet:
+        # PGROUPS_LLAMA_LOG=stderr: llama.cpp's own log, unfiltered, as llama-server prints it
+        if quiet and os.environ.get("PGROUPS_LLAMA_LOG") != "stderr":
             _install_log_callback()
         llama_cpp.llama_backend_init()
         _initialised = True

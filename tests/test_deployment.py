@@ -133,9 +133,27 @@ def test_the_watchdog_fails_in_flight_requests_and_reports_unhealthy(model_path)
             d.check_health()
         assert not (await d.info())["healthy"]
         assert (await d.submit("c", "r2", CompletionRequest(**SHORT))).status == 503
+        deadline = time.monotonic() + 10
+        while not replaced:  # the frozen server is replaced, not waited for
+            assert time.monotonic() < deadline, "the watchdog did not ask for a fresh server"
+            await asyncio.sleep(0.05)
+        assert replaced == [4321]
+
+    replaced: list[int] = []
+
+    class Stage:  # the stage actor's two calls the watchdog makes, as awaitables
+        class replace_server:  # noqa: N801
+            @staticmethod
+            async def remote(pid: int) -> bool:
+                replaced.append(pid)
+                return True
+
+    async def health() -> dict:
+        return {"pid": 4321, "accepting": True, "cpu_seconds": 0.0, "threads": 1}
 
     async def with_stage(d: Any) -> None:
         d.stage_timeout_s = 2.0  # as if an RPC stage were configured
+        d._stage, d._stage_health = Stage, health  # noqa: SLF001
         d._watchdog = asyncio.get_running_loop().create_task(d._watch())  # noqa: SLF001
         await body(d)
 

@@ -111,6 +111,18 @@ class RpcStage:
         proc.kill()
         return proc.pid
 
+    def replace_server(self, pid: int) -> bool:
+        """The engine's watchdog found the server ``pid`` frozen: SIGKILL it (a stopped process
+        dies too) so that the supervisor starts a fresh one at once, and the engine's next
+        replica connects to a server that answers instead of waiting for this one to wake.
+        False when ``pid`` is no longer the server (already replaced)."""
+        proc = self.proc
+        if proc is None or proc.pid != pid or proc.poll() is not None:
+            return False
+        log.warning("rpc server pid %d did not answer the engine; replacing it", pid)
+        proc.kill()
+        return True
+
     def stop(self) -> None:
         self._stopping = True
         if self.proc and self.proc.poll() is None:

@@ -16,10 +16,36 @@ BASE = f"http://127.0.0.1:{HTTP_PORT}"
 NODE_MEMORY = 100 << 20
 
 
+# The e2e tests in the order that deploys each app once (a deploy costs about 40 s on 2 cores):
+# first every test on test_http_api's APP, then the apps that differ from it, each once. A
+# module not listed runs last; within a rank the collected order stands.
+DEPLOY_ORDER = [
+    ("test_a_stage_whose_settings_changed", "test_the_first_client_vanishing"),  # rpc port variants
+    ("test_peer_failure.py",),  # APP with a short stage_timeout_s
+    ("test_clients.py",),  # the embeddings model, then the chat model
+    ("test_reliability.py",),  # its own app (api_key, short timeouts)
+    ("test_pairs.py",),
+    ("test_topology.py",),
+]
+SHARED_APP = ("test_edges_http.py", "test_guard_http.py", "test_heads_http.py", "test_hostile_http.py",
+              "test_http_api.py", "test_metrics.py", "test_page.py", "test_readme.py", "test_sdks.py")
+
+
+def deploy_rank(item: pytest.Item) -> int:
+    name, module = item.name, item.path.name
+    for rank, keys in enumerate(DEPLOY_ORDER, start=1):
+        if any(name.startswith(k) or module == k for k in keys):
+            return rank
+    return 0 if module in SHARED_APP else len(DEPLOY_ORDER) + 1
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if "/e2e/" in str(item.fspath):
-            item.add_marker(pytest.mark.e2e)
+    slots = [i for i, item in enumerate(items) if "/e2e/" in str(item.fspath)]
+    for i in slots:
+        items[i].add_marker(pytest.mark.e2e)
+    ordered = sorted((items[i] for i in slots), key=deploy_rank)
+    for i, item in zip(slots, ordered, strict=True):
+        items[i] = item
 
 
 @pytest.fixture(scope="session")

@@ -83,10 +83,11 @@ def test_killing_the_stage_server_resumes_in_flight_streams_and_recovers(deploy,
     log.warning("peer failure: 8 streams resumed, %d equal to unfaulted; done %.1f s after the kill", same, recovered)
 
 
-def test_a_frozen_stage_resumes_in_flight_streams_after_sigcont(deploy, record_property):
+def test_a_frozen_stage_is_replaced_and_its_streams_resume_while_it_stays_frozen(deploy, record_property):
     """SIGSTOP keeps the connection open and answers nothing: without the watchdog every
     group would hang in llama_decode for ever with /health at 200. The watchdog fails the
-    replica; its streams wait, and go on once a replica serves again."""
+    replica and has the stage actor replace the frozen server; the streams resume on the
+    fresh one while the old process is never woken."""
     base = deploy(APP)
     stage = get_stage()
     before = ray.get(stage.health.remote())
@@ -96,25 +97,21 @@ def test_a_frozen_stage_resumes_in_flight_streams_after_sigcont(deploy, record_p
     t_stop = time.monotonic()
     os.kill(before["pid"], signal.SIGSTOP)
     try:
-        deadline = time.monotonic() + APP["stage_timeout_s"] + 60
-        while resumes(base) < resumed_before + 4:  # the watchdog fired: each stream waits to resume
-            assert time.monotonic() < deadline, "the watchdog did not fail the frozen stage's requests"
-            time.sleep(0.2)
-        t_failed = time.monotonic() - t_stop
-        assert not any(r is not None for r in results), results
+        for t in threads:
+            t.join(APP["stage_timeout_s"] + 240)
+        assert not any(t.is_alive() for t in threads), "a stream hung on the frozen stage"
     finally:
-        os.kill(before["pid"], signal.SIGCONT)
-    t_cont = time.monotonic()
-    for t in threads:
-        t.join(240)
-    assert not any(t.is_alive() for t in threads), "a stream hung after SIGCONT"
-    back = time.monotonic() - t_cont
+        try:
+            os.kill(before["pid"], signal.SIGCONT)  # whatever happened, leave nothing stopped
+        except ProcessLookupError:
+            pass
+    done = time.monotonic() - t_stop
     assert [r[0] for r in results] == ["completed"] * 4, results
     same = sum(r[1] == w[1] for r, w in zip(results, want, strict=True))
     record_property("resumed_equal_unfaulted", f"{same}/4")
     assert same == 4
+    assert resumes(base) >= resumed_before + 4
     after = ray.get(stage.health.remote())
-    assert after["pid"] == before["pid"]  # the same server, resumed: no restart was needed
-    record_property("frozen_failed_s", round(t_failed, 2))
-    record_property("back_after_sigcont_s", round(back, 2))
-    log.warning("frozen stage: watchdog after %.1f s; the streams completed %.1f s after SIGCONT", t_failed, back)
+    assert after["pid"] != before["pid"] and after["restarts"] >= before["restarts"] + 1
+    record_property("frozen_to_completed_s", round(done, 2))
+    log.warning("frozen stage: replaced; the streams completed %.1f s after SIGSTOP", done)

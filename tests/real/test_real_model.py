@@ -72,12 +72,12 @@ def judge(gemma_path: str) -> Iterator[Callable[[str, list[int]], tuple[int, flo
     llm.close()
 
 
-def _run(engine) -> dict[str, tuple[int, str]]:
+def _run(engine, prompts: list[str] = PROMPTS) -> dict[str, tuple[int, str]]:
     def one(p: str) -> tuple[int, str]:
         c = engine.generate(p, GREEDY)
         return c.final.prompt_tokens, c.text
 
-    return {p: one(p) for p in PROMPTS}
+    return {p: one(p) for p in prompts}
 
 
 @pytest.mark.parametrize("groups", [1, 2])
@@ -103,14 +103,15 @@ def test_split_gives_the_tokens_of_the_unsplit_model(make_gemma, oracle, rpc_end
     """Over the split the peer's layers run ggml's plain CPU kernels (an RPC buffer is never
     repacked), which round differently from the repacked kernels of a local CPU, so the
     oracle there is the unsplit model with repacking off: the split itself changes nothing."""
+    prompts = PROMPTS[:3]
     plain = make_gemma(n_parallel=2, n_ctx=2 * N_CTX_SLOT, cache_prompt=False, repack=False)
-    want = _run(plain)
-    assert [n for n, _ in want.values()] == [n for n, _ in oracle.values()]
+    want = _run(plain, prompts)
+    assert [n for n, _ in want.values()] == [oracle[p][0] for p in prompts]
     plain.close()
     for groups in (1, 2):
         e = make_gemma(n_parallel=2, n_ctx=2 * N_CTX_SLOT, pipeline_groups=groups, cache_prompt=False,
                        rpc_endpoints=[rpc_endpoint], peer_layers=9, repack=False)
-        assert _run(e) == want
+        assert _run(e, prompts) == want
         e.close()
 
 

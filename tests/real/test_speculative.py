@@ -12,7 +12,6 @@ TASKS = [
     f"Rewrite this code with every function renamed from f<N> to g<N>; change nothing else:\n{CODE}",
     "Repeat this list exactly, one item per line, then stop:\n" + "\n".join(f"item {i}: {w}" for i, w in enumerate(
         "apple river stone cloud lamp forest window candle bridge mirror garden ladder".split())),
-    "Write the numbers from 1 to 40 in words, separated by commas.",
 ]
 # llama.cpp's CPU kernels round a row differently with other rows in its batch: without any
 # speculation, the same request beside another one (unified KV) moved its tokens' log

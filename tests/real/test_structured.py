@@ -24,7 +24,7 @@ PERSON = {
 }
 
 
-def test_a_hundred_sampled_outputs_all_validate_against_their_schema(make_gemma):
+def test_sampled_outputs_all_validate_against_their_schema(make_gemma):
     e = make_gemma(n_parallel=8, n_ctx=8192)
     req = ChatCompletionRequest.model_validate({
         "messages": [{"role": "user", "content": "Describe a person as JSON."}],
@@ -39,11 +39,11 @@ def test_a_hundred_sampled_outputs_all_validate_against_their_schema(make_gemma)
         return c.text, c.final.finish_reason
 
     with ThreadPoolExecutor(8) as ex:
-        outs = list(ex.map(one, range(100)))
+        outs = list(ex.map(one, range(48)))
     for text, finish in outs:
         assert finish == "stop", (finish, text)
         jsonschema.validate(json.loads(text), PERSON)
-    assert len({t for t, _ in outs}) > 50  # sampled, not one answer repeated
+    assert len({t for t, _ in outs}) > 24  # sampled, not one answer repeated
 
 
 def test_a_gbnf_grammar_holds_greedy_and_sampled_output(make_gemma):
@@ -129,7 +129,7 @@ def test_forced_tool_calls_on_the_real_model_all_parse_and_validate(make_gemma):
         return c.text, c.final.finish_reason
 
     with ThreadPoolExecutor(4) as ex:
-        outs = list(ex.map(one, range(12)))
+        outs = list(ex.map(one, range(8)))
     for text, finish in outs:
         assert finish == "stop", (finish, text)
         content, calls = parse_tool_calls(text, plan.names)
