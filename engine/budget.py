@@ -58,9 +58,34 @@ class PrefillBudget:
         self.decoding = [0] * n_groups  # generating rows per group, after its last step
         self.prompting = [0] * n_groups  # prompts with tokens to evaluate per group, likewise
         self.short = [0] * n_groups  # short prompts among them (published when one starts too)
+        self.carrying = [0] * n_groups  # prompt tokens of each group's step in flight
+        self.overlapped = [False] * n_groups  # its step in flight ran beside another group's prompt tokens
 
-    def observe(self, n_rows: int, n_prompt: int, seconds: float) -> None:
-        """A step ran for ``seconds``: ``n_prompt`` prompt tokens beside ``n_rows`` generating rows."""
+    def begin(self, group: int, n_prompt: int) -> None:
+        """``group``'s step with ``n_prompt`` prompt tokens starts. A step of another group in
+        flight meanwhile waits for this one's chunk on the shared stages, and so does one that
+        starts while this one runs: such a step says what a chunk costs the others, not what a
+        decode step costs, and is kept out of the decode line (``observe``). Counted into the
+        line, those slowed steps would raise the reference the gap bound multiplies, so the
+        chunks would grow, slow the others' steps more, and grow again."""
+        self.carrying[group] = n_prompt
+        self.overlapped[group] = any(k for g, k in enumerate(self.carrying) if g != group)
+        if n_prompt:
+            for g in range(len(self.overlapped)):
+                if g != group:
+                    self.overlapped[g] = True
+
+    def end(self, group: int) -> bool:
+        """``group``'s step is over (run or failed); whether it ran beside another's prompt tokens."""
+        overlapped, self.overlapped[group] = self.overlapped[group], False
+        self.carrying[group] = 0
+        return overlapped
+
+    def observe(self, n_rows: int, n_prompt: int, seconds: float, group: int = 0) -> None:
+        """A step of ``group`` ran for ``seconds``: ``n_prompt`` prompt tokens beside ``n_rows``
+        generating rows. A decode step that ran beside another group's chunk is not learnt from."""
+        if self.end(group) and n_prompt == 0:
+            return
         self.cost.observe(n_rows, n_prompt, seconds)
 
     def tokens(self, group: int, n_generating: int, capacity: int, n_prompting: int = 1) -> int:

@@ -264,12 +264,14 @@ class PipelineGroup:
                              allowed, cfg.prefill_long_tokens, cut, cfg.prefill_aging_steps)
             runner.fill(plan)
         n_prompt = sum(len(e.tokens) for e in plan.entries if e.slot.state is SlotState.PROMPT)
+        budget.begin(self.index, n_prompt)
         t0 = time.perf_counter()
         try:
             # the thread's CPU time in decode: the local stage's compute when it runs on the CPU
             with prof.timed("decode"), prof.cpu("decode_cpu"):
                 runner.decode(plan)
         except NativeError as e:
+            budget.end(self.index)
             self._fail_batch([en.slot for en in plan.entries], str(e))
             if e.rc < 0:
                 # a compute failure (e.g. the RPC stage went away): the context cannot be
@@ -278,7 +280,7 @@ class PipelineGroup:
             return
         with prof.timed("sync"):
             logits = runner.logits(plan)
-        budget.observe(n_rows, n_prompt, time.perf_counter() - t0)
+        budget.observe(n_rows, n_prompt, time.perf_counter() - t0, self.index)
         plan.advance()
         got = self.processor.process(plan, logits)
         outs = got.outputs

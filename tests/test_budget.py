@@ -230,3 +230,31 @@ def test_a_long_prompt_beside_decoding_streams_takes_the_budgets_chunks(make_eng
     chunk = results["on-chunk"]
     assert 16 < chunk < 128 and results["off-chunk"] == 512
     assert results["off-steps"] <= 12 and results["on-steps"] >= 1501 / chunk, results
+
+
+def test_decode_steps_slowed_by_another_groups_chunk_do_not_raise_the_reference():
+    """Two groups on the same stages: a decode step of one that runs beside the other's chunk
+    waits for that chunk. Learnt as a decode step it would raise the reference the gap bound
+    multiplies, so the next chunk would grow, slow the other group more, and grow again."""
+    b = PrefillBudget(2, gap_factor=3.0, min_rate=0.0, chunk_min=8)
+    for _ in range(30):  # both groups decode
+        for g in (0, 1):
+            for r in (4, 5):
+                b.begin(g, 0)
+                b.observe(r, 0, cpu(r, 0), g)
+    chunks = []
+    for _ in range(300):  # group 0 carries a long prompt's chunks; each of group 1's steps waits for one
+        k = b.tokens(0, 4, 512)
+        chunks.append(k)
+        b.begin(0, k)
+        b.begin(1, 0)
+        b.observe(4, 0, cpu(4, 0) + cpu(4, k), 1)
+        b.observe(4, k, cpu(4, k), 0)
+    assert b.cost.base(4) == pytest.approx(cpu(4, 0), rel=1e-3)  # the line is the clean decode step's
+    assert max(chunks[50:]) > 8  # it learnt past the floor
+    assert all(cpu(4, k) <= 3.0 * cpu(4, 0) * 1.05 for k in chunks[50:]), max(chunks)
+    # a step that failed leaves nothing behind: the other group's next decode step is learnt again
+    b.begin(0, 64)
+    b.end(0)
+    b.begin(1, 0)
+    assert not b.end(1)

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine import SamplingParams
+from tests.rounding import agree_until_they_differ
 
 log = logging.getLogger(__name__)
 
@@ -76,16 +77,8 @@ def test_seeded_sampling_identical_for_1_and_2_groups(make_engine):
         e = make_engine(n_parallel=8, n_ctx=4096, pipeline_groups=n, sample_threads=4)
         res[n] = run(e)
         e.close()
-    identical = 0
-    for (t1, lp1), (t2, lp2) in zip(res[1], res[2], strict=True):
-        d = next((i for i, (a, b) in enumerate(zip(t1, t2, strict=False)) if a != b), None)
-        if d is None:
-            assert t1 == t2
-            identical += 1
-            continue
-        for i in range(d + 1):  # the same distribution up to and at the flip
-            top1, top2 = dict(lp1[i][2]), dict(lp2[i][2])
-            assert set(top1) == set(top2) and all(abs(top1[k] - top2[k]) < 0.02 for k in top1), (i, top1, top2)
+    # the same distribution up to and at a flip; most requests do not flip at all
+    identical = sum(agree_until_they_differ(t1, lp1, t2, lp2) for (t1, lp1), (t2, lp2) in zip(res[1], res[2], strict=True))
     assert identical >= len(PROMPTS) - 2, identical
 
 

@@ -14,6 +14,7 @@ from engine.config import SpeculativeConfig
 from engine.slots import MAX_BACKOFF, SpecState
 from engine.speculative import ngram_draft
 from observability.metrics import EngineMetrics
+from tests.rounding import agree_until_they_differ
 
 PROMPTS = [
     "Once upon a time, in a land of many pipelines, there lived a scheduler who",
@@ -156,13 +157,23 @@ def test_concurrent_requests_with_rejections_keep_their_own_output_and_kv(make_e
 
 def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(make_engine):
     """The chain samples each verified row in order and accepts before the next: one random
-    draw per emitted token, as without speculation."""
+    draw per emitted token, as without speculation. A verify batch rounds its rows otherwise
+    than one-row steps, so a draw on a boundary of the distribution may flip: a seed may differ
+    only from a position where both distributions agree to rounding, and most do not differ (a
+    second draw per token, or a draw from a stale row, would differ early and often)."""
     plain = make_engine(n_parallel=2, cache_prompt=False)
     spec = make_engine(n_parallel=2, cache_prompt=False, speculative={"type": "ngram", "ngram_min": 1})
+
+    def sampled(e, params: SamplingParams) -> tuple[list[int], list]:
+        outs = list(e.stream(PROMPTS[1], params))
+        return [t for o in outs for t in o.tokens], [lp for o in outs for lp in o.logprobs or ()]
+
+    identical = 0
     for seed in range(6):
         params = SamplingParams(temperature=0.7, top_k=0, top_p=1.0, min_p=0.0, seed=seed, max_tokens=40,
-                                ignore_eos=True)
-        assert run(spec, PROMPTS[1], params)[0] == run(plain, PROMPTS[1], params)[0]
+                                ignore_eos=True, logprobs=5)
+        identical += agree_until_they_differ(*sampled(spec, params), *sampled(plain, params))
+    assert identical >= 4, identical
     assert spec_totals(spec)[1] > 0
 
 
