@@ -258,3 +258,25 @@ def test_decode_steps_slowed_by_another_groups_chunk_do_not_raise_the_reference(
     b.end(0)
     b.begin(1, 0)
     assert not b.end(1)
+
+
+def test_where_small_chunks_cost_much_more_a_token_the_rate_bound_stops_at_its_gap_cap():
+    """A CPU where a prompt token costs an eighth of a decode step in a large chunk and a fifth
+    in a chunk of 8 (each chunk costs 80 ms of its own): 70 % of the whole batch's rate would
+    stretch the others' gap half as far again as 1 / (1 - 0.7) times, where the chunk stops."""
+
+    def slow(rows: int, k: int) -> float:
+        return 0.040 + 0.014 * rows + (0.080 + 0.012 * k if k else 0.0)
+
+    b = learnt(slow, 4, [8, 16, 32, 64, 128, 256, 512], min_rate=0.7)
+    k = b.tokens(0, 4, 512)
+    ref = slow(4, 0)
+    uncapped = _first_rate(slow, 4, 512, 0.7)
+    assert slow(4, uncapped) > 1.5 * ref / (1 - 0.7)  # what the rate alone would cost the others
+    assert slow(4, k) <= ref / (1 - 0.7) * 1.02 and slow(4, k + 8) > ref / (1 - 0.7)
+    assert k > learnt(slow, 4, [8, 16, 32, 64, 128, 256, 512]).tokens(0, 4, 512)  # more than the gap bound's
+
+
+def _first_rate(hw, rows: int, capacity: int, min_rate: float) -> int:
+    full = capacity / hw(rows, capacity)
+    return next(k for k in range(1, capacity + 1) if k / hw(rows, k) >= min_rate * full)
