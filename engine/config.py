@@ -83,8 +83,8 @@ class EngineConfig(BaseModel):
         default=0.7, ge=0.0, le=1.0,
         description="Chunked prefill: the least share of the rate a whole batch would give it (its idle "
         "rate, on an idle server) at which a long prompt progresses beside decoding streams; where "
-        "prefill_gap_factor's chunk is slower, the chunk grows to this rate and the others' gaps grow "
-        "past that factor (to about 1 / (1 - this) on a CPU). Higher: the long prompt's first token "
+        "prefill_gap_factor's chunk is slower, the chunk grows to this rate, but the others' gaps grow "
+        "past that factor at most to 1 / (1 - this) times. Higher: the long prompt's first token "
         "nearer its idle time, the others' gaps longer. 0: the gap bound alone.",
     )
     prefill_chunk_min: int = Field(
