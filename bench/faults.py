@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import httpx
 import yaml
 
-from bench.run import HTTP_PORT, ROOT
+from bench.run import ROOT, HttpStack
 
 CELLS = ("stage-kill", "engine-kill", "freeze", "structured", "pairs")
 TOPICS = ["the sea", "mountains", "bread", "trains", "bees", "winter", "libraries", "rivers"]
@@ -271,18 +271,6 @@ def demo_args(**more: object) -> dict:
     return {**conf["applications"][0]["args"], **more}
 
 
-def deploy(args: dict) -> None:
-    from ray import serve
-
-    from deployments.app import build_app
-
-    try:
-        serve.delete("bench")  # the stage serves one engine at a time
-    except Exception:
-        pass
-    serve.run(build_app(args), name="bench", route_prefix="/")
-
-
 def table(rows: list[dict]) -> str:
     out = ["| cell | streams complete, all tokens | equal to unfaulted | longest pause s | resumes | more |",
            "|---|---|---|---|---|---|"]
@@ -299,23 +287,19 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cluster import local_cluster
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cells", default=",".join(CELLS))
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--freeze", type=float, default=75.0, help="seconds the stage is stopped")
     a = ap.parse_args(argv)
     cells = a.cells.split(",")
-    base = f"http://127.0.0.1:{HTTP_PORT}"
     rows: list[dict] = []
-    session = local_cluster.serve_session(6392, HTTP_PORT, pairs=2)
-    session.__enter__()
+    stack = HttpStack(pairs=2)  # room for the two pairs of the last cell
+    base = stack.base
     try:
         one_pair = [c for c in cells if c != "pairs"]
         if one_pair:
-            deploy(demo_args())
-            wait_healthy(base)
+            stack.deploy(demo_args())
         for cell in one_pair:
             if cell == "stage-kill":
                 row = fault_cell(base, cell, 8, a.tokens, kill_stage)
@@ -330,13 +314,12 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
             rows.append(row)
         if "pairs" in cells:
-            deploy(demo_args(replicas=2, n_parallel=4, n_ctx=2048, rpc={"per_replica": True, "threads": 1}))
-            wait_healthy(base)
+            stack.deploy(demo_args(replicas=2, n_parallel=4, n_ctx=2048, rpc={"per_replica": True, "threads": 1}))
             row = pairs_cell(base, a.tokens)
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:
-        session.__exit__(None, None, None)
+        stack.close()
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "faults.md").write_text(table(rows) + "\n")

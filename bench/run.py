@@ -142,12 +142,13 @@ def _profile_figures(p0: list, p1: list, res: LoadResult) -> dict:
 class HttpStack:
     """The local two-node Ray cluster with Serve on a bench port."""
 
-    def __init__(self, ingress: str | None = None) -> None:
+    def __init__(self, ingress: str | None = None, pairs: int = 1) -> None:
         """``ingress``: "direct" (the ingress serves HTTP itself) or "proxy" (Serve's proxy
-        actor); default: ``local_cluster.ingress_mode()``."""
+        actor); default: ``local_cluster.ingress_mode()``. ``pairs``: raylet pairs (room for as
+        many engine-and-stage pairs)."""
         from cluster import local_cluster
 
-        self._session = local_cluster.serve_session(6392, HTTP_PORT, ingress=ingress)
+        self._session = local_cluster.serve_session(6392, HTTP_PORT, ingress=ingress, pairs=pairs)
         self._session.__enter__()
         self.base = f"http://127.0.0.1:{HTTP_PORT}"
         self.deployed = False

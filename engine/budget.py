@@ -17,8 +17,8 @@ Where both hold the streams get the larger chunk's gap and the prompt more than 
 where they conflict (a prompt token costs the stages a fair share of a row, as on a CPU) the
 prompt's floor wins and the gap grows past ``gap_factor``, but never past ``1 / (1 - min_rate)``
 times: where a small chunk costs much more a token than a large one, the floor alone would ask
-for chunks near the whole batch, seconds of stall for every stream. The step's seconds come from a cost model fitted to the steps themselves
-(engine/cost.py): a line in the generating rows, plus a per-token cost by chunk size (a chunk
+for chunks near the whole batch, seconds of stall for every stream. The step's seconds come
+from a cost model fitted to the steps themselves (engine/cost.py): a line in the generating rows, plus a per-token cost by chunk size (a chunk
 of 8 costs more a token than one of 256). A prompt gets at least ``chunk_min`` tokens a step;
 with nothing decoding it gets the whole batch.
 
@@ -120,9 +120,10 @@ class PrefillBudget:
         # costs the same in any chunk: 1 / (1 - min_rate) times. Where small chunks cost much
         # more a token than large ones (a CPU), the rate bound alone would ask for chunks near
         # the whole batch and stall every stream for seconds, for little more rate
-        cap = self.gap_factor if self.min_rate >= 1 else max(self.gap_factor, 1 / (1 - self.min_rate))
-        k_cap = capacity if self.min_rate >= 1 else (_last(lo, capacity, lambda k: step(k) <= cap * ref) or lo)
-        return max(k_gap, min(k_rate, k_cap))
+        if self.min_rate < 1:
+            cap = max(self.gap_factor, 1 / (1 - self.min_rate))
+            k_rate = min(k_rate, _last(lo, capacity, lambda k: step(k) <= cap * ref) or lo)
+        return max(k_gap, k_rate)
 
     def long_cut(self, group: int, n_short: int) -> int | None:
         """The most tokens of long prompts the next step of ``group`` may carry beside short
