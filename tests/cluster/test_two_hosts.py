@@ -198,6 +198,16 @@ def answered_by(n: int) -> list[str]:
     return tb.printed_json(tb.head_python(code, timeout=300).stdout)
 
 
+def engines_streaming() -> int:
+    """How many engine replicas the ingress holds an output stream to (``/pipeline``)."""
+    code = (
+        "import httpx, json\n"
+        f"r = httpx.get('http://{tb.HEAD.ip}:{tb.HTTP_PORT}/pipeline', timeout=30)\n"
+        f"print({tb.MARK!r} + json.dumps(len(r.json()['replicas']) if r.status_code == 200 else 0))\n"
+    )
+    return tb.printed_json(tb.head_python(code, timeout=90, check=False).stdout) or 0
+
+
 def test_replicas_are_refused_while_the_peer_lacks_the_model(bed):
     tb.serve_stop(bed)
     tb.serve_shutdown()
@@ -226,9 +236,13 @@ def test_serve_run_in_the_replicas_topology_answers_from_both_nodes(bed):
     proc = tb.serve_run("replicas", log="serve-run-replicas.log")
     SERVING["proc"] = proc
     tb.wait_healthy(proc=proc, log="serve-run-replicas.log")
-    # healthy once the ingress holds an output stream from one engine; the other node's comes
-    # up within seconds (served directly, nothing else holds the first requests back)
-    deadline = time.monotonic() + 60
+    # healthy once the ingress holds an output stream from one engine; the other node's engine
+    # loads the model on its own node, which on a busy box takes minutes: wait for its stream
+    deadline = time.monotonic() + 600
+    while (n := engines_streaming()) < 2:
+        assert time.monotonic() < deadline, f"{n} engine replica(s) stream to the ingress after 600 s"
+        time.sleep(3)
+    deadline = time.monotonic() + 120
     got = answered_by(16)
     while len(set(got["replicas"])) < 2 and time.monotonic() < deadline:
         time.sleep(2)
