@@ -29,10 +29,12 @@ MADV_DONTNEED = 4
 
 def tensor_ranges(path: str, prefixes: tuple[str, ...]) -> list[tuple[int, int]]:
     """File ranges [start, end) of the data of the tensors whose names start with ``prefixes``."""
-    from gguf import GGUFReader
+    if not prefixes:
+        return []
+    from engine.gguf_shape import read_header
 
-    return sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes))
-                  for t in GGUFReader(path).tensors if prefixes and t.name.startswith(prefixes))
+    return sorted((t.data_offset, t.data_offset + t.n_bytes) for t in read_header(path).tensors
+                  if t.name.startswith(prefixes))
 
 
 def _mappings(path: str) -> list[tuple[int, int, int]]:

@@ -176,6 +176,29 @@ def test_synthetic_model_shapes(tmp_path):
     assert p.read_bytes() == p2.read_bytes()
 
 
+def test_the_header_walker_reads_what_gguf_reads(tmp_path):
+    """engine.gguf_shape walks the header without the vocabulary's numpy views; its tensor
+    table (what the page release drops) and fields equal gguf's own reader's."""
+    import gguf
+
+    from engine.gguf_shape import LongArray, read_header, read_shape
+
+    p = write_model(tmp_path / "m.gguf", ModelShape(n_layer=3, n_embd=96, n_head=3, n_head_kv=1, n_ff=160,
+                                                     n_vocab=2000, seed=3))
+    r, h = gguf.GGUFReader(str(p)), read_header(str(p))
+    assert [(t.name, int(t.data_offset), int(t.n_bytes)) for t in r.tensors] == \
+        [(t.name, t.data_offset, t.n_bytes) for t in h.tensors]
+    assert set(r.fields) - {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"} == set(h.fields)
+    assert h.fields["tokenizer.ggml.tokens"] == LongArray(gguf.GGUFValueType.STRING, 2000)
+    assert h.fields["llama.block_count"] == 3 and h.fields["general.architecture"] == "llama"
+    shape = read_shape(str(p))
+    assert (shape.n_layer, shape.n_embd, shape.n_head, shape.n_head_kv) == (3, 96, 3, 1)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(ValueError, match="not a GGUF"):
+        read_header(str(bad))
+
+
 def test_chat_template(make_engine):
     e = make_engine(n_parallel=1)
     text = e.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])

@@ -43,12 +43,11 @@ def completion(prompt: str, max_tokens: int, timeout: float = 120, check: bool =
 
 
 def model_shape() -> dict[str, int]:
-    from gguf import GGUFReader
-
-    from engine.gguf_shape import read_shape
+    from engine.gguf_shape import LongArray, read_header, read_shape
 
     shape = read_shape(str(tb.MODEL))
-    n_vocab = len(GGUFReader(str(tb.MODEL)).fields["tokenizer.ggml.tokens"].data)
+    tokens = read_header(str(tb.MODEL)).fields["tokenizer.ggml.tokens"]
+    n_vocab = tokens.count if isinstance(tokens, LongArray) else len(tokens)
     return {"n_embd": shape.n_embd, "n_layer": shape.n_layer, "n_vocab": n_vocab}
 
 

@@ -39,29 +39,35 @@ def resumes(base: str) -> float:
                if s.name == "pgroups_resumes_total")
 
 
-def stream_text(base: str, body: dict, progress: list | None = None) -> tuple[str, str]:
-    """One streamed completion's outcome (as ``stream_outcome``) and its text; ``progress``
-    gets one item per event with text (a caller waits for it)."""
+def stream_text(base: str, body: dict, progress: list | None = None) -> tuple[str, str, int | None]:
+    """One streamed completion's outcome (as ``stream_outcome``), its text and the tokens its
+    closing ``usage`` counts; ``progress`` gets one item per event with text (a caller waits
+    for it)."""
     parts: list[str] = []
+    used = None
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     try:
-        with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=300) as r:
             if r.status_code != 200:
-                return f"http {r.status_code}", ""
+                return f"http {r.status_code}", "", None
             err = None
             for line in r.iter_lines():
                 if line.startswith('data: {"error"'):
                     err = json.loads(line[6:])["error"]["code"]
                 elif line == "data: [DONE]":
-                    return (f"error {err}" if err else "completed"), "".join(parts)
+                    return (f"error {err}" if err else "completed"), "".join(parts), used
                 elif line.startswith("data: {"):
-                    text = "".join(c.get("text") or "" for c in json.loads(line[6:]).get("choices", []))
+                    event = json.loads(line[6:])
+                    if event.get("usage"):
+                        used = event["usage"]["completion_tokens"]
+                    text = "".join(c.get("text") or "" for c in event.get("choices") or [])
                     if text:
                         parts.append(text)
                         if progress is not None:
                             progress.append(1)
-            return "no end", "".join(parts)
+            return "no end", "".join(parts), used
     except httpx.HTTPError as e:
-        return f"transport {type(e).__name__}", "".join(parts)
+        return f"transport {type(e).__name__}", "".join(parts), used
 
 
 def stream_outcome(base: str, body: dict, headers: dict | None = None) -> str:
