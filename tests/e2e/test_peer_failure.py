@@ -118,7 +118,7 @@ def test_a_frozen_stage_is_replaced_and_its_streams_resume_while_it_stays_frozen
         except ProcessLookupError:
             pass
     done = time.monotonic() - t_stop
-    same = check_resumed(results, want, record_property)
+    check_resumed(results, want, record_property)
     assert resumes(base) >= resumed_before + 4
     after = ray.get(stage.health.remote())
     assert after["pid"] != before["pid"] and after["restarts"] >= before["restarts"] + 1
