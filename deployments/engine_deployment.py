@@ -13,7 +13,6 @@ import logging
 import os
 import socket
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,7 +21,8 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from deployments.api.base import CLIENT_ERRORS, ApiError, BodyError
+from deployments.api.base import CLIENT_ERRORS, ApiError
+from deployments.api.llama import llama_props, llama_slots
 from deployments.api.values import Prepared, ResumeSpec, Submitted
 from deployments.args import PEER_RESOURCE, RpcArgs
 from deployments.router import STATS_PERIOD_S, Route
@@ -33,10 +33,10 @@ from engine import (
     Output,
     QueueFullError,
     RequestError,
-    SamplingParams,
     SlotBusyError,
 )
 from engine.types import SHUTTING_DOWN
+from observability.live import LiveFigures
 from observability.metrics import EngineMetrics
 from observability.process import rss_bytes
 from observability.stacks import start_from_env
@@ -123,9 +123,8 @@ class EngineDeployment:
         self.metrics.set_stage_up(True)
         self.metrics.set_topology(self.topology["topology"])
         self.metrics.set_load(self.engine.model.load_s, self.engine.model.released_bytes)
-        self._last_busy: tuple[float, float, float | None] | None = None
-        self._last_pipeline: tuple[float, float, float | None] | None = None
-        self._rate_samples: deque[tuple[float, float]] = deque(maxlen=1024)
+        self.figures = LiveFigures(self.engine, self.config, self.metrics, lambda: self._stage_health(),
+                                   self._replica, self.topology)
         self.stage_timeout_s = stage_timeout_s if self.config.rpc_endpoints else None
         self._watchdog = self.loop.create_task(self._watch()) if self.stage_timeout_s else None
         log.info("engine replica %s serving %s", self._replica, self.model_name)
@@ -233,8 +232,8 @@ class EngineDeployment:
             return ApiError(503, NOT_CONNECTED)
         try:
             prepared, spec = await self._off_loop(n_bytes, _prepare, req, self.engine, request_id)
-        except BodyError as e:
-            return ApiError(e.status, e.message)
+        except ApiError as e:
+            return e
         except CLIENT_ERRORS as e:
             # the body's shape, met while its prompt is made: the client's 400 (RequestError,
             # a template's error, pydantic's, or what a value of the wrong type raises)
@@ -261,65 +260,13 @@ class EngineDeployment:
         ``ApiError``s."""
         try:
             return await self._off_loop(n_bytes, req.run, self.engine)
-        except BodyError as e:
-            return ApiError(e.status, e.message)
+        except ApiError as e:
+            return e
         except CLIENT_ERRORS as e:
             return ApiError(400, str(e)[:1000] or type(e).__name__)
 
     async def props(self) -> dict:
-        """llama-server's ``/props``, with every field its web UI, Zed and SillyTavern read, and
-        this server's own (groups, devices, topology)."""
-        tok = self.engine.tokenizer
-        return {
-            "default_generation_settings": {
-                "id": 0, "id_task": -1, "n_ctx": self.engine.n_ctx_slot, "is_processing": False,
-                "speculative": self.config.speculative is not None, "params": self._llama_params(),
-            },
-            "total_slots": self.config.n_parallel,
-            "model_alias": self.model_name,
-            "model_path": self.config.model,
-            "modalities": {"vision": False, "audio": False, "video": False},
-            "endpoint_slots": True, "endpoint_props": True, "endpoint_metrics": True,
-            "chat_template": tok.template.source,
-            "chat_template_caps": {
-                # what this server does with the template: tools are served for every template (in
-                # it when it takes them, else in a system message), calls are parsed from the text
-                "supports_tools": True, "supports_tool_calls": True, "supports_parallel_tool_calls": True,
-                "supports_system_role": True, "supports_preserve_reasoning": False, "requires_typed_content": False,
-                "supports_string_content": True, "supports_typed_content": False,
-            },
-            "chat_template_origin": tok.template.origin,
-            "bos_token": tok.bos_text,
-            "eos_token": tok.eos_text,
-            "build_info": f"pipeline-groups {_version()} (llama-cpp-python {_llama_cpp_version()})",
-            "is_sleeping": False,
-            "pipeline_groups": self.config.pipeline_groups,
-            "devices": self.engine.devices,
-            "topology": self.topology,
-        }
-
-    def _llama_params(self) -> dict[str, Any]:
-        """The default sampling settings in llama-server's names and types (its web UI syncs
-        its settings from these: every value a number, ``samplers`` a list of names)."""
-        d = SamplingParams(max_tokens=self.engine.n_ctx_slot)
-        spec = self.config.speculative
-        return {
-            "seed": self.config.seed if self.config.seed >= 0 else 4294967295,  # llama-server's random seed
-            "temperature": d.temperature, "dynatemp_range": d.dynatemp_range, "dynatemp_exponent": d.dynatemp_exponent,
-            "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p, "top_n_sigma": d.top_n_sigma,
-            "xtc_probability": d.xtc_probability, "xtc_threshold": d.xtc_threshold,
-            "typical_p": d.typical_p, "typ_p": d.typical_p,  # the web UI looks for typ_p
-            "repeat_last_n": d.repeat_last_n, "repeat_penalty": d.repeat_penalty,
-            "presence_penalty": d.presence_penalty, "frequency_penalty": d.frequency_penalty,
-            "dry_multiplier": d.dry_multiplier, "dry_base": d.dry_base, "dry_allowed_length": d.dry_allowed_length,
-            "dry_penalty_last_n": d.dry_penalty_last_n, "dry_sequence_breakers": list(d.dry_sequence_breakers),
-            "mirostat": d.mirostat, "mirostat_tau": d.mirostat_tau, "mirostat_eta": d.mirostat_eta,
-            "max_tokens": -1, "n_predict": -1, "n_keep": 0, "n_discard": 0, "ignore_eos": False, "stream": True,
-            "n_probs": 0, "min_keep": d.min_keep, "samplers": list(d.order), "reasoning_format": "auto",
-            "speculative.n_max": spec.n_max if spec else 0, "speculative.n_min": spec.n_min if spec else 0,
-            "speculative.p_min": spec.p_min if spec else 0.0, "timings_per_token": False,
-            "post_sampling_probs": False, "backend_sampling": self.config.backend_sampling, "lora": [],
-        }
+        return llama_props(self.engine, self.config, self.topology)
 
     async def drain(self, grace_s: float, replica: str | None = None) -> dict:
         """Stop taking requests; give running ones ``grace_s`` to finish, then end the rest
@@ -375,21 +322,7 @@ class EngineDeployment:
         }
 
     async def slots(self, replica: str | None = None) -> list[dict]:
-        return [
-            {
-                "id": v.id,
-                "n_ctx": self.engine.n_ctx_slot,  # llama.cpp's web UI sizes its context by it
-                "speculative": self.config.speculative is not None,
-                "is_processing": v.state != "idle",
-                "group": v.group,
-                "seq_id": v.seq_id,
-                "state": v.state,
-                "n_cached_tokens": v.n_cached,
-                "id_task": v.request_id,
-                "replica": self._replica,
-            }
-            for v in self.engine.slot_views()
-        ]
+        return llama_slots(self.engine, self.config, self._replica)
 
     async def slot_action(self, slot_id: int, action: str, filename: str | None,
                           replica: str | None = None) -> dict | ApiError:
@@ -407,63 +340,10 @@ class EngineDeployment:
             return ApiError(500, str(e))
 
     async def metrics_text(self, replica: str | None = None) -> bytes:
-        running, waiting = self.engine.scheduler.counts()
-        self.metrics.collect_engine(self.engine, running, waiting)
-        await self._collect_stages()
-        return self.metrics.render()
-
-    async def _collect_stages(self) -> None:
-        """Stage busy since the last scrape: CPU seconds over wall seconds and threads."""
-        busy, peer, self._last_busy = await self._stage_busy(self._last_busy)
-        self.metrics.set_stage_rss("local", rss_bytes(os.getpid()))
-        if peer is not None:
-            self.metrics.set_stage_up(bool(peer["accepting"]))
-            self.metrics.set_stage_rss("peer", int(peer.get("rss_bytes", 0)))
-        for stage, ratio in busy.items():
-            self.metrics.set_stage_busy(stage, ratio)
-
-    async def _stage_busy(self, last: tuple | None) -> tuple[dict[str, float], dict | None, tuple]:
-        """Each stage's busy share since ``last`` (a sample this returns), and the peer's health."""
-        now = time.monotonic()
-        local_cpu = sum(p.decode_cpu for p in self.engine.profiles())
-        peer = await self._stage_health()
-        busy: dict[str, float] = {}
-        if last is not None:
-            dt = max(now - last[0], 1e-9)
-            busy["local"] = (local_cpu - last[1]) / dt / self.config.local_threads()
-            if peer is not None and last[2] is not None:
-                busy["peer"] = (peer["cpu_seconds"] - last[2]) / dt / peer["threads"]
-        return ({k: max(0.0, min(1.0, v)) for k, v in busy.items()}, peer,
-                (now, local_cpu, peer["cpu_seconds"] if peer else None))
+        return await self.figures.scrape()
 
     async def pipeline(self, replica: str | None = None) -> dict[str, Any]:
-        """The live figures the page at / shows (computed when asked: nothing is kept for a
-        page that is not open): each stage's busy share since the last ask, each group's slots,
-        tokens per second and TTFT over the last minute, the topology and why."""
-        busy, peer, self._last_pipeline = await self._stage_busy(self._last_pipeline)
-        now = time.monotonic()
-        self._rate_samples.append((now, self.metrics.generated_total()))
-        while len(self._rate_samples) > 2 and now - self._rate_samples[1][0] >= 60.0:
-            self._rate_samples.popleft()
-        t0, n0 = self._rate_samples[0]
-        rate = (self._rate_samples[-1][1] - n0) / (now - t0) if now - t0 > 0.5 else 0.0
-        ttfts = sorted(v for t, v in self.metrics.recent_ttft if now - t <= 60.0)
-        groups: dict[int, list[dict[str, Any]]] = {}
-        for v in self.engine.slot_views():
-            groups.setdefault(v.group, []).append({"id": v.id, "state": v.state, "task": v.request_id,
-                                                   "cached_tokens": v.n_cached})
-        running, waiting = self.engine.scheduler.counts()
-        stages = [{"stage": "peer", "where": ep, "busy": busy.get("peer"), "up": bool(peer and peer["accepting"])}
-                  for ep in self.config.rpc_endpoints]
-        local = [d for d in self.engine.devices if not d.upper().startswith("RPC")]
-        stages.append({"stage": "local", "where": ", ".join(local) or "local", "busy": busy.get("local"), "up": True})
-        return {
-            "replica": self._replica, "model": self.model_name, "topology": self.topology, "stages": stages,
-            "groups": [{"group": g, "slots": slots} for g, slots in sorted(groups.items())],
-            "tokens_per_second": rate, "ttft_s": {"n": len(ttfts), "median": ttfts[len(ttfts) // 2] if ttfts else None,
-                                                  "p99": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))] if ttfts else None},
-            "running": running, "waiting": waiting, "n_ctx_slot": self.engine.n_ctx_slot,
-        }
+        return await self.figures.page()
 
     async def _stage_health(self) -> dict | None:
         if not self.config.rpc_endpoints:
@@ -504,21 +384,6 @@ def _prepare(req: Any, engine: Engine, request_id: str) -> tuple[Prepared, Resum
     prepared: Prepared = req.prepare(engine, request_id)
     r = prepared.request
     return prepared, None if r.n_resumed else ResumeSpec.of(r)
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("pipeline-groups-serve")
-    except PackageNotFoundError:
-        return "0"
-
-
-def _llama_cpp_version() -> str:
-    import llama_cpp
-
-    return str(getattr(llama_cpp, "__version__", "?"))
 
 
 def _replica_tag() -> str:

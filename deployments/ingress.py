@@ -30,11 +30,9 @@ from deployments import api
 from deployments.api.base import (
     Answer,
     ApiError,
-    BodyError,
     Call,
     ErrorShape,
     Generate,
-    HTTPError,
     dumps,
     member_ids,
     openai_error,
@@ -101,8 +99,8 @@ def err_response(status: int, message: str, param: str | None = None, headers: d
     return JSONResponse(shape(status, message, param), status_code=status, headers=headers)
 
 
-@app.exception_handler(HTTPError)
-async def _http_error(request: Request, e: HTTPError) -> JSONResponse:
+@app.exception_handler(ApiError)
+async def _api_error(request: Request, e: ApiError) -> JSONResponse:
     return err_response(e.status, e.message, e.param, e.headers, ERROR_SHAPES.get(request.url.path, openai_error))
 
 
@@ -176,7 +174,7 @@ _FILES = {p.name: p for p in WEB.iterdir() if p.suffix in _TYPES} if WEB.is_dir(
 def _static(name: str) -> Response:
     path = _FILES.get(name)  # a name of the shipped files, never a path a request makes
     if path is None:
-        raise HTTPError(404, f"no file {name[:100]!r}")
+        raise ApiError(404, f"no file {name[:100]!r}")
     return Response(path.read_bytes(), media_type=_TYPES[path.suffix],
                     headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
                              "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer"})
@@ -191,7 +189,7 @@ def _ingress(required: bool = True) -> "Ingress | None":
         if _CURRENT:
             return _CURRENT[-1]
     if required:
-        raise HTTPError(503, "the ingress is starting")
+        raise ApiError(503, "the ingress is starting")
     return None
 
 
@@ -306,7 +304,7 @@ class Ingress:
         # Anthropic's clients send the key as x-api-key
         token = h[7:] if h[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
         if not token or not hmac.compare_digest(token.encode(), self.api_key.encode()):
-            raise HTTPError(401, "invalid or missing API key (Authorization: Bearer <key>)")
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)")
 
     async def body_json(self, request: Request, raw: bytes | None = None) -> dict | None:
         """The body (``raw``, else read now) as a JSON object (the guard has read it in time and
@@ -315,16 +313,13 @@ class Ingress:
             raw = await take_body(request)
         if not raw:
             return None
-        try:
-            return await _sized(self.bodies, len(raw), parse_body, raw)
-        except BodyError as e:
-            raise HTTPError(e.status, e.message, e.param) from None
+        return await _sized(self.bodies, len(raw), parse_body, raw)
 
     def _check_model(self, name: str | None) -> None:
         """Any name serves the one model, as llama-server does (clients left at their default,
         ``gpt-4o-mini``, work); with ``strict_request_fields`` an unknown name is OpenAI's 404."""
         if self.strict and name and name not in self.model_names:
-            raise HTTPError(404, f"the model {name!r} does not exist; this server serves {self.model_names[0]!r}", "model")
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_names[0]!r}", "model")
 
     def _validate(self, model_cls: type, body: dict) -> Any:
         req, unknown = read_request(model_cls, body, self.strict)
@@ -338,18 +333,15 @@ class Ingress:
 
     async def read(self, request: Request, model_cls: type) -> tuple[Any, int]:
         """The request's body as ``model_cls``, checked (auth, JSON, fields), and the body's
-        size; raises ``HTTPError``. Neither the body nor its parsed form is kept past this."""
+        size; raises ``ApiError``. Neither the body nor its parsed form is kept past this."""
         self.check_auth(request)
         raw = await take_body(request)
         n_bytes = len(raw)
         body = await self.body_json(request, raw)
         del raw
         if body is None:
-            raise HTTPError(400, "the request needs a JSON body")
-        try:
-            req = await _sized(self.bodies, n_bytes, self._validate, model_cls, body)
-        except BodyError as e:
-            raise HTTPError(e.status, e.message, e.param) from None
+            raise ApiError(400, "the request needs a JSON body")
+        req = await _sized(self.bodies, n_bytes, self._validate, model_cls, body)
         del body
         self._check_model(getattr(req, "model", None))
         return req, n_bytes
@@ -357,7 +349,7 @@ class Ingress:
     def answer_of(self, res: Any) -> Response:
         """An engine call's result as an answer: its error, or the result."""
         if isinstance(res, ApiError):
-            return err_response(res.status, res.message)
+            raise res
         return Answering(res)
 
     async def each_replica(self, call: Callable[[Any, str | None], Any]) -> list[Any]:
@@ -371,11 +363,12 @@ class Ingress:
         req, n_bytes = await self.read(request, ep.request)
         try:
             res = await ep.call(self.engine, req, n_bytes)
+        except ApiError:
+            raise
         except Exception as e:  # the engine replica is restarting
-            raise HTTPError(503, f"the engine is not available: {type(e).__name__}", headers={"Retry-After": "1"}) \
-                from None
+            raise ApiError(503, f"the engine is not available: {type(e).__name__}") from None
         if isinstance(res, ApiError):
-            raise HTTPError(res.status, res.message)
+            raise res
         return Answering(ep.answer(res, req, self.model_names[0]))
 
     # ---- generating requests -----------------------------------------------------------------
@@ -400,7 +393,7 @@ class Ingress:
             raise
         if isinstance(res, ApiError):
             self.out.forget(rid, req.n)
-            raise HTTPError(res.status, res.message, headers={"Retry-After": "1"} if res.status in (429, 503) else None)
+            raise res
         p.taken(res)  # its stream, its replica, its prompt's ids; echo: completions' prompt text comes first
         if p.conn not in self.out.streams.values():  # its stream ended while it was submitted
             self.out.fail_stream(p.conn)

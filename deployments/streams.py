@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
-from deployments.api.base import HTTPError, member_ids
+from deployments.api.base import ApiError, member_ids
 from deployments.router import known_replicas
 from engine.types import FinishReason, Output
 
@@ -363,7 +363,7 @@ class IngressStreams:
             try:
                 await asyncio.wait_for(self.connected.wait(), self.connect_timeout_s)
             except TimeoutError:
-                raise HTTPError(503, "the engine is not available (starting or restarting); retry",
+                raise ApiError(503, "the engine is not available (starting or restarting); retry",
                                 headers={"Retry-After": "2"}) from None
         return dict(self.streams)
 

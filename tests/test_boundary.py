@@ -20,7 +20,7 @@ from deployments.api.anthropic import CountTokensRequest, MessagesRequest
 from deployments.api.base import (
     MAX_FIELD_NAME,
     MAX_UNKNOWN_PER_BODY,
-    BodyError,
+    ApiError,
     dumps,
     parse_body,
     read_request,
@@ -60,7 +60,7 @@ WRONG_SHAPES = [
 
 @pytest.mark.parametrize("what, model, body, names", WRONG_SHAPES, ids=[w[0] for w in WRONG_SHAPES])
 def test_a_body_of_the_wrong_shape_is_a_400_that_names_the_field(what, model, body, names):
-    with pytest.raises(BodyError) as e:
+    with pytest.raises(ApiError) as e:
         read_request(model, body)
     assert e.value.status == 400 and names in e.value.message, (what, e.value.message)
 
@@ -72,7 +72,7 @@ def test_a_body_of_the_wrong_shape_is_a_400_that_names_the_field(what, model, bo
     b'{"prompt": "x", "top_p": 1e999}',
 ])
 def test_non_finite_numbers_in_a_body_are_refused(raw):
-    with pytest.raises(BodyError, match="finite|not JSON"):
+    with pytest.raises(ApiError, match="finite|not JSON"):
         parse_body(raw)
 
 
@@ -182,7 +182,7 @@ def test_whatever_a_body_holds_it_is_read_or_refused_with_a_400(case):
     model, body = case
     try:
         req, _ = read_request(model, body)
-    except BodyError as e:
+    except ApiError as e:
         assert 400 <= e.status < 500 and e.message
         return
     dumps(req.model_dump(mode="json"))  # what was read can be written back
@@ -326,3 +326,15 @@ def test_the_http_layer_never_loads_llama_cpp():
             "assert 'llama_cpp' not in sys.modules, sorted(m for m in sys.modules if m.startswith('engine'))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_an_error_answer_crosses_ray_whole_and_tells_when_to_retry():
+    """The one error type is raised in the ingress and returned by an engine replica across Ray
+    (pickled): status, message, field and headers arrive as they left."""
+    import pickle
+
+    e = pickle.loads(pickle.dumps(ApiError(400, "bad", "messages")))
+    assert (e.status, e.message, e.param, e.headers, e.type) == (400, "bad", "messages", None, "invalid_request_error")
+    busy = pickle.loads(pickle.dumps(ApiError(429, "full")))
+    assert busy.headers == {"Retry-After": "1"} and isinstance(busy, ValueError)
+    assert ApiError(503, "x", headers={"Retry-After": "2"}).headers == {"Retry-After": "2"}

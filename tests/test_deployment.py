@@ -184,7 +184,7 @@ def test_drain_finishes_short_requests_and_cuts_long_ones_with_an_error(model_pa
 
 
 def test_llama_servers_utility_endpoints(model_path):
-    from deployments.api.base import BodyError, read_request
+    from deployments.api.base import ApiError, read_request
     from deployments.api.llama import ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest
 
     def tok(**body: Any) -> TokenizeRequest:
@@ -199,7 +199,7 @@ def test_llama_servers_utility_endpoints(model_path):
         assert (await d.run(DetokenizeRequest(tokens=toks)))["content"].strip() == "hello world"
         bad = await d.run(DetokenizeRequest(tokens=[1, 10**9]))
         assert bad.status == 400 and "out of range" in bad.message
-        with pytest.raises(BodyError, match="content"):  # refused at the boundary, before the engine
+        with pytest.raises(ApiError, match="content"):  # refused at the boundary, before the engine
             read_request(TokenizeRequest, {"content": 5})
         prompt = (await d.run(ApplyTemplateRequest(messages=[{"role": "user", "content": "hi"}])))["prompt"]
         assert "hi" in prompt and prompt != "hi"
@@ -238,7 +238,7 @@ def test_props_params_sent_back_are_served_with_their_meaning(model_path):
     would refuse another), each meaning what it meant there (the server's default sampling:
     seed 4294967295 random, n_probs 0 no probabilities, the default chain named in full), and
     the request served."""
-    from deployments.api.base import BodyError, read_request
+    from deployments.api.base import ApiError, read_request
     from deployments.api.llama import LlamaCompletionRequest
     from deployments.api.openai import ChatCompletionRequest
     from engine.params import SamplingParams
@@ -277,7 +277,7 @@ def test_props_params_sent_back_are_served_with_their_meaning(model_path):
         req = read_request(LlamaCompletionRequest, {"prompt": "x", "seed": 7, "n_probs": 2, "speculative.n_max": 0})[0]
         assert req.sampling(8).seed == 7 and req.sampling(8).logprobs == 2 and req.sampling(8).speculative is False
         for bad in ({"lora": [{"id": 0, "scale": 1.0}]}, {"grammar_lazy": True}, {"seed": 4294967296}):
-            with pytest.raises(BodyError):
+            with pytest.raises(ApiError):
                 read_request(LlamaCompletionRequest, {"prompt": "x", **bad})
 
     run(model_path, body)

@@ -20,7 +20,7 @@ from deployments.api.base import (
     MAX_ARRAY,
     MAX_JSON_CONTAINERS,
     MAX_JSON_STRINGS,
-    BodyError,
+    ApiError,
     parse_body,
     read_request,
 )
@@ -128,7 +128,7 @@ def test_a_body_of_too_many_values_is_refused_before_it_is_parsed(monkeypatch):
     many_strings = b'{"stop": [' + b",".join([b'"ab"'] * (MAX_JSON_STRINGS + 1)) + b"]}"
     monkeypatch.setattr(base.json, "loads", no_parse)
     for raw, what in ((many_objects, "objects and arrays"), (many_strings, "strings")):
-        with pytest.raises(BodyError, match=what) as err:
+        with pytest.raises(ApiError, match=what) as err:
             parse_body(raw)
         assert err.value.status == 413
     monkeypatch.undo()
@@ -141,11 +141,11 @@ def test_a_long_array_is_taken_only_as_token_ids_in_a_field_of_them():
     ids = [7] * (MAX_ARRAY + 1)
     req, _ = read_request(CompletionRequest, parse_body(json.dumps({"prompt": ids}).encode()))
     assert req.prompt == ids
-    with pytest.raises(BodyError, match="at most 65536, but for token ids"):
+    with pytest.raises(ApiError, match="at most 65536, but for token ids"):
         parse_body(json.dumps({"prompt": ["a"] * (MAX_ARRAY + 1)}).encode())
     msg = {"role": "user", "content": "hi"}
     for body in ({"messages": [msg], "stop": ids}, {"messages": [{"role": "user", "content": ids}]}):
-        with pytest.raises(BodyError, match=r"(stop|content): an array of 65537 items, at most 65536"):
+        with pytest.raises(ApiError, match=r"(stop|content): an array of 65537 items, at most 65536"):
             read_request(ChatCompletionRequest, body)
 
 

@@ -103,7 +103,7 @@ def test_response_fields_pick_and_unnest():
 
 
 def test_responses_tools_and_their_items_become_the_chat_request():
-    from deployments.api.base import BodyError, read_request
+    from deployments.api.base import ApiError, read_request
 
     body = {"input": [{"role": "user", "content": "weather?"},
                       {"type": "function_call", "id": "fc_1", "call_id": "call_a", "name": "w", "arguments": "{\"c\": 1}",
@@ -124,7 +124,7 @@ def test_responses_tools_and_their_items_become_the_chat_request():
     assert chat.parallel_tool_calls is False
     for bad, where in (({"tools": [{"type": "web_search"}]}, "tools[0]"), ({"tool_choice": "sometimes"}, "tool_choice"),
                        ({"input": [{"type": "image_generation_call"}]}, "input[0]")):
-        with pytest.raises(BodyError, match=where.replace("[", r"\[").replace("]", r"\]")):
+        with pytest.raises(ApiError, match=where.replace("[", r"\[").replace("]", r"\]")):
             read_request(ResponsesRequest, {"input": "x", **bad})
 
 

@@ -3,7 +3,7 @@ or a 4xx), error values and shapes, JSON out with no non-finite number, and the 
 endpoint object the ingress serves (a generating endpoint with its shaper, a call).
 
 The boundary holds by construction: whatever a body holds, ``read_request`` ends in the
-request or in a ``BodyError`` (a 400 naming the field where one is known), never in
+request or in an ``ApiError`` (a 400 naming the field where one is known), never in
 another exception; the shapers write with ``dumps``, which cannot write NaN or Infinity.
 """
 
@@ -40,27 +40,38 @@ NEG_INF_LOGPROB = -9999.0  # how OpenAI and vLLM write a log probability of minu
 CLIENT_ERRORS = (ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError)
 
 
-class BodyError(ValueError):
-    """A body this server cannot take: the client's fault (400 unless ``status`` says else)."""
+class ApiError(ValueError):
+    """Every error answer, wherever it is met: raised by a validator, a conversion or a check of
+    the ingress, returned as a value by an engine replica across Ray (it pickles whole), and
+    rendered once, in the endpoint's own error shape, by the ingress's handler. A 429 or 503
+    tells the client when to retry."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None) -> None:
         super().__init__(message)
-        self.message, self.param, self.status = message, param, status
+        self.status, self.message, self.param = status, message, param
+        self.headers = headers if headers is not None else ({"Retry-After": "1"} if status in (429, 503) else None)
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.status, self.message, self.param, self.headers))
+
+    @property
+    def type(self) -> str:
+        return error_type(self.status)
 
 
 def _finite_float(text: str) -> float:
     v = float(text)
     if not math.isfinite(v):
-        raise BodyError(f"the body holds the number {text[:40]}, which is not finite")
+        raise ApiError(400, f"the body holds the number {text[:40]}, which is not finite")
     return v
 
 
 def _no_constant(name: str) -> float:
-    raise BodyError(f"the body holds {name}, which is not JSON (non-finite numbers are refused)")
+    raise ApiError(400, f"the body holds {name}, which is not JSON (non-finite numbers are refused)")
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """A request body as JSON, or ``BodyError`` with what is wrong: not JSON, not an object,
+    """A request body as JSON, or ``ApiError`` with what is wrong: not JSON, not an object,
     nested deeper than ``MAX_JSON_DEPTH``, a number that is not finite (``NaN``, ``Infinity``,
     ``1e999``), or text that is not Unicode (a lone surrogate escape such as ``"\\ud800"``
     parses, but no answer that echoes it could be encoded), or more values than the
@@ -68,22 +79,22 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     _count_values(raw)
     try:
         body = json.loads(raw, parse_float=_finite_float, parse_constant=_no_constant)
-    except BodyError:
+    except ApiError:
         raise
     except RecursionError:
-        raise BodyError(f"the body nests deeper than {MAX_JSON_DEPTH} levels") from None
+        raise ApiError(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise BodyError(f"the body is not valid JSON: {e}") from None
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
-        raise BodyError("the body must be a JSON object")
+        raise ApiError(400, "the body must be a JSON object")
     stack: list[tuple[Any, int]] = [(body, 1)]
     while stack:
         node, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
-            raise BodyError(f"the body nests deeper than {MAX_JSON_DEPTH} levels")
+            raise ApiError(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels")
         if isinstance(node, list) and len(node) > MAX_ARRAY:
             if not all(type(x) is int for x in node):
-                raise BodyError(f"the body holds an array of {len(node)} items: at most {MAX_ARRAY}, but for "
+                raise ApiError(400, f"the body holds an array of {len(node)} items: at most {MAX_ARRAY}, but for "
                                 "token ids (integers)")
             continue
         items = node.items() if isinstance(node, dict) else enumerate(node)
@@ -93,7 +104,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
                     try:
                         text.encode("utf-8")
                     except UnicodeEncodeError:
-                        raise BodyError("the body holds a lone surrogate (\\ud800-\\udfff escape) that is "
+                        raise ApiError(400, "the body holds a lone surrogate (\\ud800-\\udfff escape) that is "
                                         "not text") from None
             if isinstance(v, dict | list):
                 stack.append((v, depth + 1))
@@ -101,7 +112,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 
 
 def _count_values(raw: bytes) -> None:
-    """``BodyError`` for a JSON text of more objects, arrays or strings than a body may hold. The
+    """``ApiError`` for a JSON text of more objects, arrays or strings than a body may hold. The
     quick count takes brackets and quotes inside strings too; only when it is over a bound are
     the strings walked, counting the brackets between them, until a bound is passed."""
     if raw.count(b"{") + raw.count(b"[") <= MAX_JSON_CONTAINERS and raw.count(b'"') <= 2 * MAX_JSON_STRINGS:
@@ -115,9 +126,9 @@ def _count_values(raw: bytes) -> None:
     else:
         n_containers += raw.count(b"{", at) + raw.count(b"[", at)
     if n_containers > MAX_JSON_CONTAINERS:
-        raise BodyError(f"the body holds over {MAX_JSON_CONTAINERS} objects and arrays, the most it may", status=413)
+        raise ApiError(413, f"the body holds over {MAX_JSON_CONTAINERS} objects and arrays, the most it may")
     if n_strings > MAX_JSON_STRINGS:
-        raise BodyError(f"the body holds over {MAX_JSON_STRINGS} strings, the most it may", status=413)
+        raise ApiError(413, f"the body holds over {MAX_JSON_STRINGS} strings, the most it may")
 
 
 def _takes_ids(annotation: Any) -> bool:
@@ -202,7 +213,7 @@ def validation_message(e: ValidationError) -> tuple[str, str | None]:
 
 
 def read_request(model_cls: type[BaseModel], body: dict[str, Any], strict: bool = False) -> tuple[Any, list[str]]:
-    """``body`` as ``model_cls`` and the names of the fields it ignored, or ``BodyError``:
+    """``body`` as ``model_cls`` and the names of the fields it ignored, or ``ApiError``:
     whatever a validator or a conversion it calls raises on a body of the wrong shape (a
     TypeError or an AttributeError too, which pydantic lets through) is the client's 400.
     ``strict``: ignored fields are a 400 too."""
@@ -213,14 +224,14 @@ def read_request(model_cls: type[BaseModel], body: dict[str, Any], strict: bool 
             req.served_as().check()
     except ValidationError as e:
         message, param = validation_message(e)
-        raise BodyError(message, param) from None
-    except BodyError:
+        raise ApiError(400, message, param) from None
+    except ApiError:
         raise
     except CLIENT_ERRORS as e:
-        raise BodyError(f"the body's shape is not one {model_cls.__name__} takes: {str(e)[:300] or type(e).__name__}") \
+        raise ApiError(400, f"the body's shape is not one {model_cls.__name__} takes: {str(e)[:300] or type(e).__name__}") \
             from None
     if strict and unknown:
-        raise BodyError(f"unknown fields {sorted(set(unknown))}: Extra inputs are not permitted "
+        raise ApiError(400, f"unknown fields {sorted(set(unknown))}: Extra inputs are not permitted "
                         "(strict_request_fields is on)")
     return req, unknown
 
@@ -258,26 +269,6 @@ def openai_error(status: int, message: str, param: str | None = None) -> dict[st
 
 
 ErrorShape = Callable[..., dict[str, Any]]  # (status, message[, param]) -> the error body
-
-
-@dataclass(frozen=True)
-class ApiError:
-    """An error answer as a value: what the engine returns across Ray for the ingress to send."""
-
-    status: int
-    message: str
-
-    @property
-    def type(self) -> str:
-        return error_type(self.status)
-
-
-class HTTPError(Exception):
-    """An error answer raised in the ingress; sent in the endpoint's own error shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
 
 
 # ---- JSON out ------------------------------------------------------------------------------------

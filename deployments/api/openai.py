@@ -19,8 +19,8 @@ from pydantic import ConfigDict, Field, model_validator
 from deployments.api.base import (
     MAX_PROMPT_CHARS,
     Answer,
+    ApiError,
     ApiModel,
-    BodyError,
     Bounded,
     Call,
     Generate,
@@ -462,11 +462,11 @@ class EmbeddingRequest(ApiModel):
     def run(self, engine: Engine) -> Embedded:
         """The vectors (on the engine replica; the embedder has a context and thread of its own)."""
         if engine.embedder is None:
-            raise BodyError("this server does not serve embeddings: set embeddings: true in its config "
+            raise ApiError(400, "this server does not serve embeddings: set embeddings: true in its config "
                             "(llama-server's --embeddings)", status=501)
         n_embd = engine.embedder.n_embd
         if self.dimensions is not None and self.dimensions != n_embd:
-            raise BodyError(f"dimensions must be the model's own, {n_embd} (vectors are not cut)", "dimensions")
+            raise ApiError(400, f"dimensions must be the model's own, {n_embd} (vectors are not cut)", "dimensions")
         vectors, n = engine.embed(self.inputs())
         return Embedded(vectors, n)
 
