@@ -462,8 +462,8 @@ class EmbeddingRequest(ApiModel):
     def run(self, engine: Engine) -> Embedded:
         """The vectors (on the engine replica; the embedder has a context and thread of its own)."""
         if engine.embedder is None:
-            raise ApiError(400, "this server does not serve embeddings: set embeddings: true in its config "
-                            "(llama-server's --embeddings)", status=501)
+            raise ApiError(501, "this server does not serve embeddings: set embeddings: true in its config "
+                           "(llama-server's --embeddings)")
         n_embd = engine.embedder.n_embd
         if self.dimensions is not None and self.dimensions != n_embd:
             raise ApiError(400, f"dimensions must be the model's own, {n_embd} (vectors are not cut)", "dimensions")

@@ -6,11 +6,17 @@ tests/artifacts/."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+import ray
 
 from tests.e2e.browser import chromium, screenshot
 from tests.e2e.test_http_api import APP
@@ -44,6 +50,59 @@ def never_ending(page) -> None:
     page.route("**/v1/chat/completions", extend)
 
 
+@contextmanager
+def frozen_stage() -> Iterator[None]:
+    """The RPC stage's server stopped (SIGSTOP) for the block: no step ends meanwhile, so a
+    stream that has begun cannot end by itself, however fast the box; continued after, within
+    seconds (the watchdog's ``stage_timeout_s`` is a minute)."""
+    from deployments.stage.actor import get_stage
+
+    pid = ray.get(get_stage().health.remote())["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+@contextmanager
+def endless_chat() -> Iterator[str]:
+    """A loopback server whose chat stream never ends by itself (a word every 50 ms until the
+    block ends or its client leaves): the URL a test sends one conversation's request to, so
+    that it streams for as long as the test needs, whatever the box's speed."""
+    done = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"  # the body runs until the connection closes
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            chunk = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "word "}}]}
+            try:
+                while not done.is_set():
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+                    done.wait(0.05)
+            except OSError:  # the page stopped it
+                pass
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions"
+    finally:
+        done.set()
+        server.shutdown()
+        server.server_close()
+
+
 def send(page, text: str, max_tokens: int) -> None:
     page.fill("#set-max_tokens", str(max_tokens))
     page.fill("[data-testid=prompt]", text)
@@ -72,10 +131,11 @@ def test_a_chat_answer_streams_and_stops(page, base):
     send(page, "tell me a long story", 100_000)  # runs to its slot's end (512 tokens) unless stopped
     answer = last_answer(page)
     answer.locator("[data-testid=content] p").first.wait_for(timeout=60_000)  # tokens arrive
-    assert page.is_enabled("[data-testid=stop]") and page.is_disabled("[data-testid=send]")
-    page.click("[data-testid=stop]")
-    page.wait_for_function("document.querySelector('[data-testid=stop]').disabled", timeout=30_000)
-    assert "stopped" in answer.locator("[data-testid=stats]").inner_text()
+    with frozen_stage():  # it cannot reach its slot's end before the click, on any box
+        assert page.is_enabled("[data-testid=stop]") and page.is_disabled("[data-testid=send]")
+        page.click("[data-testid=stop]")
+        page.wait_for_function("document.querySelector('[data-testid=stop]').disabled", timeout=30_000)
+        assert "stopped" in answer.locator("[data-testid=stats]").inner_text()
     deadline = time.monotonic() + 20  # the stop reached the engine: its slot is free
     while any(s["is_processing"] for s in httpx.get(base + "/slots", timeout=10).json()):
         assert time.monotonic() < deadline
@@ -86,22 +146,33 @@ def test_a_chat_answer_streams_and_stops(page, base):
 
 
 def test_a_second_chat_runs_while_the_first_streams(page):
-    never_ending(page)
-    send(page, "first, long", 100_000)  # runs to its slot's end: 512 tokens here
-    page.click("[data-testid=new-chat]")
-    send(page, "second, short", 8)
-    stats = last_answer(page).locator("[data-testid=stats]")
-    stats.wait_for(timeout=60_000)
-    assert "tokens/s" in stats.inner_text() and "cached" in stats.inner_text(), stats.inner_text()
-    # both streamed at once: the second ended while the first, which cannot end before 512
-    # tokens (ignore_eos), still streams; checked on the state, not on how fast 8 tokens come
-    first = page.locator("[data-testid=conversation]").nth(1)
-    assert "streaming" in (first.get_attribute("class") or ""), first.get_attribute("class")
-    page.locator("[data-testid=conversation]").nth(1).click()  # the first: its text is there
-    assert len(last_answer(page).inner_text()) > 20
-    if page.is_enabled("[data-testid=stop]"):
+    """The page holds two conversations at once: the second is sent, streams and ends while the
+    first still streams. The first's answer comes from a stream that cannot end by itself
+    (``endless_chat``), so "still streams" holds on any box; the second is the server's."""
+    with endless_chat() as endless:
+        def first_to_endless(route) -> None:
+            body = json.loads(route.request.post_data or "{}")
+            if body.get("max_tokens", 0) > 1000:
+                route.continue_(url=endless)
+            else:
+                route.continue_()
+
+        page.route("**/v1/chat/completions", first_to_endless)
+        send(page, "first, long", 100_000)
+        last_answer(page).locator("[data-testid=content] p").first.wait_for(timeout=60_000)
+        page.click("[data-testid=new-chat]")
+        send(page, "second, short", 8)
+        stats = last_answer(page).locator("[data-testid=stats]")
+        stats.wait_for(timeout=60_000)
+        assert "tokens/s" in stats.inner_text() and "cached" in stats.inner_text(), stats.inner_text()
+        first = page.locator("[data-testid=conversation]").nth(1)
+        assert "streaming" in (first.get_attribute("class") or ""), first.get_attribute("class")
+        first.click()  # the first: its text is there and still growing
+        page.wait_for_function("[...document.querySelectorAll('[data-testid=msg-assistant]')].pop()"
+                               ".innerText.length > 20", timeout=30_000)
+        assert page.is_enabled("[data-testid=stop]")
         page.click("[data-testid=stop]")
-    page.wait_for_function("!document.querySelector('li.streaming')", timeout=30_000)
+        page.wait_for_function("!document.querySelector('li.streaming')", timeout=30_000)
 
 
 def test_the_pipeline_view_shows_both_groups_busy_under_load_and_idle_after(page, base):
