@@ -14,9 +14,10 @@ the fault once every stream has text:
   has a fresh server started.
 - ``structured``: one collected chat request and one ``json_schema`` chat stream across a stage
   kill; the stream's text must parse and hold the schema's keys.
-- ``pairs``: two pairs (``replicas: 2``, a stage each, 4 slots each); 4 streams a pair, one pair's
+- ``pairs``: two pairs (``replicas: 2``, a stage each, 8 slots each); 4 streams a pair, one pair's
   stage killed: the pause of its streams against the other pair's longest gap, and against one
-  prefill of a prompt as long as theirs was at the kill (what a continuation evaluates).
+  prefill of a prompt as long as theirs was at the kill (what a continuation evaluates). The
+  other pair has room for them (with every slot of it busy, they would wait for one).
 
 Per cell: streams completed with every token and no error event, how many equal the unfaulted
 text, the longest pause a stream saw, the resumes counted by ``/metrics``. Prints one JSON line per
@@ -248,8 +249,9 @@ def pairs_cell(base: str, tokens: int) -> dict:
     victim = sorted({s.replica for s in streams})[0]
     cut = [s for s in streams if s.replica == victim]
     at_kill = max(len(s.arrivals) for s in cut)
+    pid = stage_pid(victim)
     t_kill = time.perf_counter()
-    os.kill(stage_pid(victim), signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
     finish(threads)
     others = [s for s in streams if s.replica != victim]
     pause = max(max((b - a for a, b in zip(s.arrivals, s.arrivals[1:], strict=False) if b > t_kill), default=0.0)
@@ -314,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
             rows.append(row)
         if "pairs" in cells:
-            stack.deploy(demo_args(replicas=2, n_parallel=4, n_ctx=2048, rpc={"per_replica": True, "threads": 1}))
+            stack.deploy(demo_args(replicas=2, n_parallel=8, n_ctx=4096, rpc={"per_replica": True, "threads": 1}))
             row = pairs_cell(base, a.tokens)
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -130,7 +130,7 @@ class Resumer:
                 if conns is None or p.closed:
                     break
                 try:
-                    res = await self.engine.submit.remote(conns, eid, cont, route=Route(tuple(conns), ()))
+                    res = await self.engine.submit.remote(conns, eid, cont, route=resume_route(conns, p.lost_on))
                 except Exception as e:  # the replica it reached is gone: another, or the new one
                     res, why = None, f"the engine is not available: {type(e).__name__}"
                 if isinstance(res, Submitted):
@@ -173,3 +173,13 @@ class Resumer:
             await self.engine.cancel.remote(eid, 1, replica=replica)
         except Exception:  # the replica is gone: nothing to cancel
             pass
+
+
+def resume_route(conns: dict[str, str], lost_on: set[str]) -> Route:
+    """Where a continuation may go: the replicas the ingress holds a stream to but those that
+    failed its request. A replica that failed (its stage lost, its group dead) still holds its
+    stream until Serve's health check replaces it, and with no request left it looks the least
+    busy: routed there, a continuation would be refused and retried for seconds while another
+    pair is idle. With no other replica, the one there is (it restarts and serves again)."""
+    return Route(tuple(r for r in conns if r not in lost_on) or tuple(conns), ())
+

@@ -21,8 +21,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import llama_cpp
-import numpy as np
+# ggml aborts the process on a lost RPC server (or any GGML_ABORT) and first has gdb print a
+# backtrace of it: about 4 s, all of it added to the pause of every stream the lost replica
+# resumes elsewhere. Read at the abort (and at load, for its terminate handler);
+# PGROUPS_GGML_BACKTRACE=1 keeps the backtrace for a developer.
+if os.environ.get("PGROUPS_GGML_BACKTRACE") != "1":
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+
+import llama_cpp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from engine.errors import NativeError
 

@@ -436,3 +436,13 @@ def test_a_request_whose_client_left_while_it_waited_is_never_resumed(monkeypatc
         assert ing.tables()["pending"] == 0
 
     run(engine, monkeypatch, body)
+
+
+def test_a_continuation_is_routed_away_from_the_replicas_that_failed_it():
+    from deployments.resume import resume_route
+
+    conns = {"a": "c1", "b": "c2", "c": "c3"}
+    assert resume_route(conns, {"a"}).replicas == ("b", "c")
+    assert resume_route(conns, {"a", "c"}).replicas == ("b",)
+    # no other: the one there is, which serves again once restarted
+    assert resume_route({"a": "c1"}, {"a"}).replicas == ("a",)
