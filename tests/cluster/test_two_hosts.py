@@ -197,14 +197,17 @@ def answered_by(n: int) -> list[str]:
     return tb.printed_json(tb.head_python(code, timeout=300).stdout)
 
 
-def engines_streaming() -> int:
-    """How many engine replicas the ingress holds an output stream to (``/pipeline``)."""
+def engines_streaming() -> tuple[int, str]:
+    """How many engine replicas the ingress holds an output stream to (each row of ``/slots``
+    names its replica), and what the head printed when it could not tell."""
     code = (
         "import httpx, json\n"
-        f"r = httpx.get('http://{tb.HEAD.ip}:{tb.HTTP_PORT}/pipeline', timeout=30)\n"
-        f"print({tb.MARK!r} + json.dumps(len(r.json()['replicas']) if r.status_code == 200 else 0))\n"
+        f"r = httpx.get('http://{tb.HEAD.ip}:{tb.HTTP_PORT}/slots', timeout=30)\n"
+        f"print({tb.MARK!r} + json.dumps(len({{s['replica'] for s in r.json()}}) if r.status_code == 200 else 0))\n"
+        "print(r.status_code, r.text[:300])\n"
     )
-    return tb.printed_json(tb.head_python(code, timeout=90, check=False).stdout) or 0
+    out = tb.head_python(code, timeout=90, check=False)
+    return tb.printed_json(out.stdout) or 0, (out.stdout + out.stderr)[-600:]
 
 
 def test_replicas_are_refused_while_the_peer_lacks_the_model(bed):
@@ -238,8 +241,8 @@ def test_serve_run_in_the_replicas_topology_answers_from_both_nodes(bed):
     # healthy once the ingress holds an output stream from one engine; the other node's engine
     # loads the model on its own node, which on a busy box takes minutes: wait for its stream
     deadline = time.monotonic() + 600
-    while (n := engines_streaming()) < 2:
-        assert time.monotonic() < deadline, f"{n} engine replica(s) stream to the ingress after 600 s"
+    while (seen := engines_streaming())[0] < 2:
+        assert time.monotonic() < deadline, f"{seen[0]} engine replica(s) stream to the ingress after 600 s: {seen[1]}"
         time.sleep(3)
     deadline = time.monotonic() + 120
     got = answered_by(16)
