@@ -73,7 +73,7 @@ class LiveFigures:
         running, waiting = self.engine.scheduler.counts()
         stages = [{"stage": "peer", "where": ep, "busy": busy.get("peer"), "up": bool(peer and peer["accepting"])}
                   for ep in self.config.rpc_endpoints]
-        local = [d for d in self.engine.devices if not d.upper().startswith("RPC")]
+        local = [d for d in self.engine.devices or [] if not d.upper().startswith("RPC")]  # None: the default device
         stages.append({"stage": "local", "where": ", ".join(local) or "local", "busy": busy.get("local"), "up": True})
         return {
             "replica": self.replica, "model": self.engine.model_name, "topology": self.topology, "stages": stages,

@@ -35,6 +35,11 @@ def test_replicas_serve_a_whole_model_on_every_node_and_one_down_leaves_the_othe
         ray.get_actor(STAGE_NAME, namespace=NAMESPACE)
     props = httpx.get(base + "/props", timeout=10).json()
     assert props["topology"]["topology"] == "replicas" and props["topology"]["reason"].startswith("configured")
+    # the page's live view: every replica, its local stage only
+    view = httpx.get(base + "/pipeline", timeout=30)
+    assert view.status_code == 200, view.text
+    assert {r["replica"] for r in view.json()["replicas"]} == set(reps)
+    assert all([s["stage"] for s in r["stages"]] == ["local"] for r in view.json()["replicas"])
 
     where = collections.Counter(served_by(base, f"question number {i} about topic {i % 7}") for i in range(24))
     assert len(where) >= 2, where  # a burst spreads over the nodes
