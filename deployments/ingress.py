@@ -423,9 +423,8 @@ class Ingress:
             lasts.update((o.request_id, o) for o in batch if o.finish_reason is not None)
         failed = next((o for o in lasts.values() if o.finish_reason.failed), None)  # one failed choice fails it
         if failed is not None:
-            status, message = _error_status(failed)
-            return err_response(status, message, headers={"Retry-After": "1"} if status == 503 else None,
-                                shape=ep.error)
+            e = ApiError(*_error_status(failed))  # its Retry-After as every error's
+            return err_response(e.status, e.message, headers=e.headers, shape=ep.error)
         if not p.finished:  # the wait timed out (504) before every choice's last output came
             return err_response(504, f"request timed out after {self.request_timeout_s} s", shape=ep.error)
         return Answering(shaper.final())

@@ -182,4 +182,3 @@ def resume_route(conns: dict[str, str], lost_on: set[str]) -> Route:
     busy: routed there, a continuation would be refused and retried for seconds while another
     pair is idle. With no other replica, the one there is (it restarts and serves again)."""
     return Route(tuple(r for r in conns if r not in lost_on) or tuple(conns), ())
-

@@ -8,6 +8,7 @@ header once, keeps the scalars and small arrays, and of each large array its typ
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -110,10 +111,7 @@ def read_header(path: str) -> GgufHeader:
     tensors = []
     for name, dims, ttype, offset in infos:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
-        n = 1
-        for d in dims:
-            n *= d
-        tensors.append(TensorInfo(name, dims, ttype, start + offset, n // block * size))
+        tensors.append(TensorInfo(name, dims, ttype, start + offset, math.prod(dims) // block * size))
     return GgufHeader(version, fields, tensors)
 
 

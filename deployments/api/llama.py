@@ -32,6 +32,7 @@ from deployments.api.openai import (
 )
 from deployments.api.values import Prepared
 from engine.errors import RequestError
+from engine.params import SamplingParams
 from engine.types import Output
 
 if TYPE_CHECKING:
@@ -352,8 +353,6 @@ def llama_props(engine: Any, config: Any, topology: dict) -> dict:
 def llama_params(n_ctx_slot: int, config: Any) -> dict[str, Any]:
     """The default sampling settings in llama-server's names and types (its web UI syncs its
     settings from these: every value a number, ``samplers`` a list of names)."""
-    from engine import SamplingParams
-
     d = SamplingParams(max_tokens=n_ctx_slot)
     spec = config.speculative
     return {
