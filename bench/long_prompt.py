@@ -21,10 +21,18 @@ and llama-server. Every arm runs on a fresh server; its cells in this order:
   slot 0 (``id_slot``, llama-server's field), then an unpinned request: how many pinned were
   refused (429), and the unpinned one's answer and first token against one alone.
 
-Prints one JSON line per arm and the tables; writes bench/results/long_prompt.*. The engine's arms
+The arms ``chunk N (fixed)`` give the long prompt N tokens a step whatever the cost model says
+(``prefill_gap_factor`` 1, ``prefill_min_rate`` 0, ``prefill_chunk_min`` N): with the defaults
+they draw the trade between the prompt's first token and the streams' gaps. The cell ``cost``
+(first, in this process, no Ray) says why the trade is what it is: what a prompt token costs a
+step by chunk size, beside two decoding streams on one group of the same split
+(``--cost-knobs``: other engine settings for it, e.g. ``'{"flash_attn": false}'``).
+
+Prints one JSON line per arm and the tables; writes bench/results/long_prompt.* (the cost cell
+alone: bench/results/chunk_cost.*). The engine's arms
 start Ray (``ray stop`` first and after: every Ray process of this user on the machine).
 
-    python -m bench.long_prompt [--prompt 3000] [--arms "a;b"] [--cells long,short,pinned]
+    python -m bench.long_prompt [--prompt 3000] [--arms "a;b"] [--cells cost,long,short,pinned]
     (make bench-long)
 """
 
@@ -46,13 +54,15 @@ import yaml
 from bench.run import ROOT
 from engine.models import CHAT_MODEL
 
-LS_PORT, LS_RPC, RPC_PORT = 50194, 50195, 50196
+LS_PORT, LS_RPC, RPC_PORT, COST_RPC = 50194, 50195, 50196, 50197
 N_STREAMS = 8
 N_PEER, N_LAYER = 15, 30
 SLOTS, N_CTX_SLOT = 10, 4096  # the streams and the long prompt, 5 a group
 N_LONG, LONG_TOKENS, SHORT_TOKENS = 7, 464, 16  # the short cell
 PER_SLOT = 16  # the engine's max_queued_per_slot (its default)
 WORDS = range(1000, 30000)  # ordinary pieces of the vocabulary
+COST_SIZES = (8, 16, 32, 64, 128, 512)  # the cost cell's chunk sizes
+COST_PROMPT = 1536  # ... and its prompt's tokens
 
 # open_stream(prompt, max_tokens, id_slot) yields each output's token count until it ends or is
 # closed; it raises Refused when the server turns the request away (HTTP 429)
@@ -198,6 +208,62 @@ def pinned_cell(open_stream: Opener, prompt: Prompts) -> dict:
             "pinned_refused": answers.count("429"), "pinned_sent": len(answers)}
 
 
+def _recording(learn: Callable[..., None], steps: list[tuple[int, float]]) -> Callable[..., None]:
+    """The budget's ``observe``, also recording (prompt tokens, seconds) of each step with rows."""
+
+    def observe(n_rows: int, n_prompt: int, seconds: float, group: int = 0) -> None:
+        if n_rows:
+            steps.append((n_prompt, seconds))
+        learn(n_rows, n_prompt, seconds, group)
+
+    return observe
+
+
+def cost_cell(prompt: Prompts, knobs: dict) -> list[dict]:
+    """What a prompt token costs a step, by chunk size: one group of the split (in this process,
+    its own RPC server), two streams decoding, then a prompt of ``COST_PROMPT`` tokens given a
+    fixed chunk a step; the median step with a chunk against the median step without."""
+    from deployments.stage import server as rpc_server
+    from engine import Engine, EngineConfig
+    from engine.params import SamplingParams
+
+    proc = rpc_server.launch("127.0.0.1", COST_RPC, threads=1)
+    rows = []
+    try:
+        for k in COST_SIZES:
+            e = Engine(EngineConfig(**{
+                "model": str(CHAT_MODEL), "n_parallel": 3, "n_ctx": 3 * N_CTX_SLOT, "pipeline_groups": 1,
+                "n_threads": 1, "rpc_endpoints": [f"127.0.0.1:{COST_RPC}"], "peer_layers": N_PEER,
+                **knobs, "prefill_gap_factor": 1.0, "prefill_min_rate": 0.0, "prefill_chunk_min": k}))
+            steps: list[tuple[int, float]] = []
+            e.prefill.observe = _recording(e.prefill.observe, steps)  # type: ignore[method-assign]
+            stop = threading.Event()
+            streams = [threading.Thread(target=follow, daemon=True, args=(
+                e.stream(prompt(8), SamplingParams(max_tokens=N_CTX_SLOT - 16, temperature=0, ignore_eos=True)),
+                lambda: None, stop)) for _ in range(2)]
+            for t in streams:
+                t.start()
+            while len(steps) < 8:
+                time.sleep(0.05)
+            t0 = time.perf_counter()
+            for _ in e.stream(prompt(COST_PROMPT), SamplingParams(max_tokens=1, temperature=0)):
+                pass
+            took = time.perf_counter() - t0
+            stop.set()
+            for t in streams:
+                t.join(60)
+            e.close()
+            chunk = statistics.median(s for n, s in steps if n)
+            plain = statistics.median(s for n, s in steps if not n)
+            rows.append({"chunk": k, "chunk_step_ms": round(chunk * 1e3, 1), "decode_step_ms": round(plain * 1e3, 1),
+                         "ms_per_token": round((chunk - plain) / k * 1e3, 2), "prompt_s": round(took, 2)})
+            print(json.dumps({"cost": rows[-1]}), flush=True)
+    finally:
+        proc.kill()
+        proc.wait()
+    return rows
+
+
 def http_opener(base: str) -> Opener:
     """llama-server's ``/completion``, streamed: one yield per event with its token count."""
     client = httpx.Client(base_url=base, timeout=900, limits=httpx.Limits(max_connections=64))
@@ -251,39 +317,50 @@ def llama_server_arm() -> tuple[Opener, Callable[[], None]]:
 
 # arm -> (how it starts, the cells it runs)
 ALL, LONG = ("long", "short", "pinned"), ("long",)
+FIXED = {"prefill_gap_factor": 1.0, "prefill_min_rate": 0.0}  # the chunk is prefill_chunk_min
 ENGINE_ARMS: dict[str, tuple[dict, tuple[str, ...]]] = {  # arm -> (knobs, cells)
     "defaults (gap 3, rate 0.7)": ({}, ALL),
     "rate 0 (the gap bound alone)": ({"prefill_min_rate": 0.0}, LONG),
     "rate 0.5": ({"prefill_min_rate": 0.5}, LONG),
     "rate 0.85": ({"prefill_min_rate": 0.85}, LONG),
     "whole batches (gap null)": ({"prefill_gap_factor": None}, LONG),
+    "chunk 16 (fixed)": ({**FIXED, "prefill_chunk_min": 16}, LONG),
+    "chunk 32 (fixed)": ({**FIXED, "prefill_chunk_min": 32}, LONG),
+    "chunk 64 (fixed)": ({**FIXED, "prefill_chunk_min": 64}, LONG),
+    "chunk 128 (fixed)": ({**FIXED, "prefill_chunk_min": 128}, LONG),
 }
 LLAMA_SERVER = "llama-server"
 ARMS = [*ENGINE_ARMS, LLAMA_SERVER]
+DEFAULT_ARMS = ["defaults (gap 3, rate 0.7)", "chunk 16 (fixed)", "chunk 64 (fixed)", "whole batches (gap null)", LLAMA_SERVER]
 
 
-def tables(rows: list[dict]) -> str:
-    out = ["| arm | long prompt loaded / alone | streams steady median / p99 | during its prefill median / p99 / "
-           "longest | longest / steady p99 |", "|---|---|---|---|---|"]
-    for r in rows:
-        if "prefill_ratio" in r:
-            out.append(f"| {r['arm']} | {r['prefill_loaded_s']} / {r['prefill_alone_s']} s "
-                       f"(**{r['prefill_ratio']}x**) | {r['steady_median_ms']} / {r['steady_p99_ms']} ms | "
-                       f"{r['during_median_ms']} / {r['during_p99_ms']} / {r['during_max_ms']} ms | "
-                       f"**{r['during_max_ms'] / max(r['steady_p99_ms'], 1e-9):.2f}x** |")
-    out += ["", f"| arm | short request behind {N_LONG} x {LONG_TOKENS} tokens / alone | one {LONG_TOKENS}-token "
-            "prompt alone | short behind / that | the last long one's first token |", "|---|---|---|---|---|"]
-    for r in rows:
-        if "short_behind_s" in r:
-            out.append(f"| {r['arm']} | {r['short_behind_s']} / {r['short_alone_s']} s | {r['long_alone_s']} s | "
-                       f"**{r['short_behind_over_long_alone']}x** | {r['last_long_s']} s |")
-    out += ["", f"| arm | unpinned beside {PER_SLOT + 4} pinned to a busy slot / alone | pinned refused (429) |",
-            "|---|---|---|"]
-    for r in rows:
-        if "unpinned" in r:
-            out.append(f"| {r['arm']} | {r['unpinned']}, {r['unpinned_beside_s']} / {r['unpinned_alone_s']} s | "
-                       f"{r['pinned_refused']} of {r['pinned_sent']} |")
-    return "\n".join(out)
+def tables(rows: list[dict], cost: list[dict] | None = None) -> str:
+    """The markdown tables of the cells that ran."""
+    sections = []
+    if cost:
+        sections.append(["| prompt chunk a step (2 streams beside) | step with it | step without | a prompt token adds "
+                         f"| {COST_PROMPT}-token prompt |", "|---|---|---|---|---|"]
+                        + [f"| {c['chunk']} | {c['chunk_step_ms']} ms | {c['decode_step_ms']} ms | "
+                           f"{c['ms_per_token']} ms | {c['prompt_s']} s |" for c in cost])
+    longs = [f"| {r['arm']} | {r['prefill_loaded_s']} / {r['prefill_alone_s']} s (**{r['prefill_ratio']}x**) | "
+             f"{r['steady_median_ms']} / {r['steady_p99_ms']} ms | {r['during_median_ms']} / {r['during_p99_ms']} / "
+             f"{r['during_max_ms']} ms | **{r['during_max_ms'] / max(r['steady_p99_ms'], 1e-9):.2f}x** |"
+             for r in rows if "prefill_ratio" in r]
+    if longs:
+        sections.append(["| arm | long prompt loaded / alone | streams steady median / p99 | during its prefill "
+                         "median / p99 / longest | longest / steady p99 |", "|---|---|---|---|---|", *longs])
+    shorts = [f"| {r['arm']} | {r['short_behind_s']} / {r['short_alone_s']} s | {r['long_alone_s']} s | "
+              f"**{r['short_behind_over_long_alone']}x** | {r['last_long_s']} s |" for r in rows if "short_behind_s" in r]
+    if shorts:
+        sections.append([f"| arm | short request behind {N_LONG} x {LONG_TOKENS} tokens / alone | one {LONG_TOKENS}-"
+                         "token prompt alone | short behind / that | the last long one's first token |",
+                         "|---|---|---|---|---|", *shorts])
+    pinned = [f"| {r['arm']} | {r['unpinned']}, {r['unpinned_beside_s']} / {r['unpinned_alone_s']} s | "
+              f"{r['pinned_refused']} of {r['pinned_sent']} |" for r in rows if "unpinned" in r]
+    if pinned:
+        sections.append([f"| arm | unpinned beside {PER_SLOT + 4} pinned to a busy slot / alone | pinned refused "
+                         "(429) |", "|---|---|---|", *pinned])
+    return "\n\n".join("\n".join(t) for t in sections)
 
 
 def run_arm(name: str, open_stream: Opener, cells: set[str], arm_cells: tuple[str, ...], a: argparse.Namespace) -> dict:
@@ -304,15 +381,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompt", type=int, default=3000, help="tokens of the long prompt")
     ap.add_argument("--steady", type=float, default=10.0, help="seconds of steady decoding measured first")
-    ap.add_argument("--arms", default=";".join(ARMS), help="arm names, separated by semicolons")
-    ap.add_argument("--cells", default=",".join(ALL), help="cells to run, of long,short,pinned")
+    ap.add_argument("--arms", default=";".join(DEFAULT_ARMS), help=f"arm names, separated by semicolons, of {ARMS}")
+    ap.add_argument("--cells", default=",".join(("cost", *ALL)), help="cells to run, of cost,long,short,pinned")
+    ap.add_argument("--cost-knobs", default="{}", help="engine settings (JSON) for the cost cell")
     a = ap.parse_args(argv)
     cells, names = set(a.cells.split(",")), a.arms.split(";")
     unknown = [n for n in names if n not in ARMS]
     if unknown:
         ap.error(f"unknown arms {unknown}; known: {ARMS}")
     rows = []
-    engine_names = [n for n in names if n in ENGINE_ARMS]
+    cost = cost_cell(Prompts(), json.loads(a.cost_knobs)) if "cost" in cells else None
+    engine_names = [n for n in names if n in ENGINE_ARMS and cells & set(ENGINE_ARMS[n][1])]
     if engine_names:
         stack = Stack()
         try:
@@ -322,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(run_arm(name, open_stream, cells, arm_cells, a))
         finally:
             stack.close()
-    if LLAMA_SERVER in names:
+    if LLAMA_SERVER in names and cells & set(ALL):
         try:
             open_stream, close = llama_server_arm()
         except FileNotFoundError as e:  # llama-server not built
@@ -332,12 +411,14 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(run_arm(LLAMA_SERVER, open_stream, cells, ALL, a))
             finally:
                 close()
-    table = tables(rows)
+    table = tables(rows, cost)
     print(table)
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "long_prompt.md").write_text(table + "\n")
-    (out / "long_prompt.json").write_text(json.dumps(rows, indent=1) + "\n")
+    name = "long_prompt" if rows else "chunk_cost"  # the cost cell alone (e.g. other --cost-knobs) apart
+    (out / f"{name}.md").write_text(table + "\n")
+    (out / f"{name}.json").write_text(json.dumps({"cost_knobs": json.loads(a.cost_knobs), "cost": cost,
+                                                  "arms": rows}, indent=1) + "\n")
     return 0
 
 

@@ -19,15 +19,19 @@ prompt's floor wins and the gap grows past ``gap_factor``, but never past ``1 / 
 times: where a small chunk costs much more a token than a large one, the floor alone would ask
 for chunks near the whole batch, seconds of stall for every stream. The step's seconds come
 from a cost model fitted to the steps themselves (engine/cost.py): a line in the generating rows, plus a per-token cost by chunk size (a chunk
-of 8 costs more a token than one of 256). A prompt gets at least ``chunk_min`` tokens a step;
-with nothing decoding it gets the whole batch.
+of 8 costs more a token than one of 256). A prompt gets at least ``chunk_min`` tokens a step.
 
 Chunks do not save the decoding streams any time in all (the prompt's tokens cost the stages
-the same, cut or not): they spread the wait over many steps, so no stream stalls for a whole
-chunk, and the prompt pays for it with its first token, later by the extra steps. That is
+as much or more, cut: on a CPU a token of a chunk under 64 costs about 1.6 times one of a
+whole batch, ggml's flash attention taking its tiled kernel from 64 rows of a sequence): they
+spread the wait over many steps, so no stream stalls for a whole chunk, and the prompt pays
+for it with its first token, later by the extra steps and the dearer tokens. That is
 worth it while the streams decoding outnumber the prompts waiting (one long prompt beside
 many streams); when they do not (a burst of prompts, the first of which has begun to
-decode), every prompt goes whole, as llama-server does.
+decode), the prompts go in large chunks: the largest the model prices at ``burst_step_s``
+(the whole batch where it fits, as on a GPU), so that a request arriving meanwhile waits at
+most about that long for the step in flight, where a whole batch of a CPU takes seconds. One
+prompt alone goes whole, as on llama-server.
 
 A short prompt (at most ``prefill_long_tokens`` to evaluate) is not queued behind long ones:
 it claims a step's prompt tokens first (engine/planner.py, ``prompt_order``), and while one
@@ -50,8 +54,10 @@ from engine.cost import StepCost
 
 class PrefillBudget:
     def __init__(self, n_groups: int, gap_factor: float | None, min_rate: float = 0.0, chunk_min: int = 8,
-                 beside_short: int | None = None, cost: StepCost | None = None) -> None:
+                 beside_short: int | None = None, cost: StepCost | None = None,
+                 burst_step_s: float | None = None) -> None:
         self.gap_factor = gap_factor  # None: off (llama-server's behaviour)
+        self.burst_step_s = burst_step_s  # None: a burst's steps are whole batches
         self.min_rate = min_rate  # 0: the gap bound alone
         self.chunk_min = max(1, chunk_min)
         self.beside_short = beside_short  # None: long prompts fill the step beside short ones
@@ -95,8 +101,10 @@ class PrefillBudget:
         others = [g for g in range(len(self.decoding)) if g != group]
         decoding = n_generating + sum(self.decoding[g] for g in others)
         prompting = n_prompting + sum(self.prompting[g] for g in others)
-        if self.gap_factor is None or decoding <= prompting or capacity <= self.chunk_min:
+        if self.gap_factor is None or capacity <= self.chunk_min:
             return capacity
+        if decoding <= prompting:
+            return self.burst(n_generating, capacity) if prompting > 1 else capacity
         return self.chunk(n_generating, max((self.decoding[g] for g in others), default=0), capacity)
 
     def chunk(self, rows: int, other_rows: int, capacity: int) -> int:
@@ -124,6 +132,15 @@ class PrefillBudget:
             cap = max(self.gap_factor, 1 / (1 - self.min_rate))
             k_rate = min(k_rate, _last(lo, capacity, lambda k: step(k) <= cap * ref) or lo)
         return max(k_gap, k_rate)
+
+    def burst(self, rows: int, capacity: int) -> int:
+        """A burst's chunk beside ``rows`` generating rows: the largest whose step the model prices
+        at most ``burst_step_s``; the whole batch where it fits, or where nothing is learnt yet
+        (the whole batch's step teaches the model what a large chunk costs)."""
+        if self.burst_step_s is None or self.cost.step(rows, capacity) is None:
+            return capacity
+        limit = self.burst_step_s
+        return _last(self.chunk_min, capacity, lambda k: (self.cost.step(rows, k) or 0.0) <= limit) or self.chunk_min
 
     def long_cut(self, group: int, n_short: int) -> int | None:
         """The most tokens of long prompts the next step of ``group`` may carry beside short

@@ -109,6 +109,15 @@ class EngineConfig(BaseModel):
         "one's step is quick; a long prompt held back prefill_aging_steps steps in a row is exempt. "
         "None: long prompts fill the step beside short ones.",
     )
+    prefill_burst_step_s: float | None = Field(
+        default=0.5, gt=0.0, le=60.0,
+        description="Chunked prefill: while several prompts wait and the streams decoding do not outnumber "
+        "them (a burst), a step carries at most the long prompts' tokens the cost model prices at this many "
+        "seconds, so that a request arriving meanwhile waits at most about that for the step in flight. "
+        "A device where the whole batch fits (a GPU) keeps whole batches; one prompt alone always does. "
+        "Lower: newcomers' first tokens sooner, the burst's prompts a little later (smaller chunks cost "
+        "more a token). None: whole batches, as llama-server.",
+    )
     n_threads: int = Field(
         default=0, ge=0, description="Threads of the local compute device; 0 picks one per core [-t]."
     )

@@ -129,7 +129,8 @@ class Engine:
             )
             # chunked prefill: one budget for the groups, which share the stages
             self.prefill = PrefillBudget(config.pipeline_groups, config.prefill_gap_factor, config.prefill_min_rate,
-                                         config.prefill_chunk_min, config.prefill_beside_short)
+                                         config.prefill_chunk_min, config.prefill_beside_short,
+                                         burst_step_s=config.prefill_burst_step_s)
             for g in range(config.pipeline_groups):
                 group = PipelineGroup(g, self.model, self.tokenizer, config, self.slots[g * per : (g + 1) * per],
                                       self._sink, self.scheduler.release, draft_model=self.draft_model,

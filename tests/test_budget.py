@@ -112,6 +112,16 @@ def test_where_prompt_tokens_cost_a_share_of_a_row_the_prompts_least_rate_wins_o
     assert b.tokens(0, 8, 512) == k_gap
 
 
+def test_a_gap_factor_of_1_without_a_least_rate_fixes_the_chunk_at_its_floor():
+    """How the benchmark's fixed-chunk arms (and a user who wants llama-server's -b beside
+    streams) pin the chunk: no chunk step lasts 1x a step without it, so the floor decides."""
+    for hw, rows in ((cpu, 8), (gpu, 16)):
+        for floor in (16, 64):
+            b = learnt(hw, rows, [8, 64, 512], gap_factor=1.0, min_rate=0.0, chunk_min=floor)
+            assert b.tokens(0, rows, 512) == floor
+    assert PrefillBudget(2, gap_factor=1.0, chunk_min=64).tokens(0, 4, 512) == 64  # nothing learnt yet
+
+
 def test_where_prompt_tokens_are_cheap_beside_a_decode_step_the_prompt_gets_the_whole_batch():
     b = learnt(gpu, 16, [8, 64, 512], min_rate=0.7)
     assert b.tokens(0, 16, 512) == 512  # 512 tokens add 6 ms to a 23 ms step
@@ -157,6 +167,26 @@ def test_the_budget_is_off_or_whole_unless_the_decoding_streams_outnumber_the_pr
     assert 8 < b.tokens(0, 1, 512, n_prompting=3) < 512
     b.prompting[1] = 4
     assert b.tokens(0, 1, 512, n_prompting=3) == 512
+
+
+def test_a_bursts_steps_last_at_most_the_burst_bound_where_the_whole_batch_would_not():
+    """Several prompts and few streams: large chunks, bounded in time so that a newcomer waits
+    for the step in flight at most about ``burst_step_s`` (seconds of a whole batch on a CPU)."""
+    b = learnt(cpu, 1, [8, 64, 512], burst_step_s=0.5)
+    assert cpu(1, 512) > 1.5  # a whole batch of this CPU
+    k = b.tokens(0, 1, 512, n_prompting=3)
+    assert cpu(1, k) <= 0.5 * 1.01 and cpu(1, k + 8) > 0.5 * 0.99  # the largest within the bound
+    assert b.tokens(0, 0, 512, n_prompting=2) >= k  # no rows: a chunk at least as large
+    b.burst_step_s = 2.0
+    assert b.tokens(0, 1, 512, n_prompting=3) > 3 * k
+    b.burst_step_s = None  # off: whole batches, as llama-server
+    assert b.tokens(0, 1, 512, n_prompting=3) == 512
+    b.burst_step_s = 0.5
+    assert b.tokens(0, 0, 512, n_prompting=1) == 512  # one prompt alone goes whole
+    assert b.tokens(0, 8, 512, n_prompting=1) < k  # beside streams: the gap's budget, not the burst's
+    # a GPU's whole batch fits the bound; nothing learnt yet: the whole batch teaches the model
+    assert learnt(gpu, 1, [8, 64, 512], burst_step_s=0.5).tokens(0, 1, 512, n_prompting=3) == 512
+    assert PrefillBudget(2, gap_factor=3.0, burst_step_s=0.5).tokens(0, 0, 512, n_prompting=4) == 512
 
 
 def test_the_knobs_are_validated_and_the_old_one_is_refused_by_its_new_name():
