@@ -51,6 +51,10 @@ from collections.abc import Callable
 
 from engine.cost import StepCost
 
+# a burst's chunk is never smaller: on a CPU a prompt token costs a step 6 to 8 ms in chunks up to
+# 64 tokens and 4 to 4.6 ms from 128 (bench-long's cost cell; ggml's flash attention)
+BURST_MIN = 128
+
 
 class PrefillBudget:
     def __init__(self, n_groups: int, gap_factor: float | None, min_rate: float = 0.0, chunk_min: int = 8,
@@ -135,12 +139,14 @@ class PrefillBudget:
 
     def burst(self, rows: int, capacity: int) -> int:
         """A burst's chunk beside ``rows`` generating rows: the largest whose step the model prices
-        at most ``burst_step_s``; the whole batch where it fits, or where nothing is learnt yet
-        (the whole batch's step teaches the model what a large chunk costs)."""
+        at most ``burst_step_s``, but never under ``BURST_MIN`` tokens (a slow device's bound would
+        otherwise cut the burst into chunks that cost much more a token); the whole batch where it
+        fits, or where nothing is learnt yet (its step teaches the model what a large chunk costs)."""
         if self.burst_step_s is None or self.cost.step(rows, capacity) is None:
             return capacity
         limit = self.burst_step_s
-        return _last(self.chunk_min, capacity, lambda k: (self.cost.step(rows, k) or 0.0) <= limit) or self.chunk_min
+        k = _last(self.chunk_min, capacity, lambda k: (self.cost.step(rows, k) or 0.0) <= limit) or self.chunk_min
+        return max(k, min(capacity, BURST_MIN))
 
     def long_cut(self, group: int, n_short: int) -> int | None:
         """The most tokens of long prompts the next step of ``group`` may carry beside short
