@@ -22,14 +22,14 @@ from a cost model fitted to the steps themselves (engine/cost.py): a line in the
 of 8 costs more a token than one of 256). A prompt gets at least ``chunk_min`` tokens a step.
 
 Chunks do not save the decoding streams any time in all (the prompt's tokens cost the stages
-as much or more, cut: on a CPU a token of a chunk under 64 costs about 1.6 times one of a
-whole batch, ggml's flash attention taking its tiled kernel from 64 rows of a sequence): they
+as much or more, cut: on a CPU a token of a chunk up to 64 costs 1.5 to 1.8 times one of a
+whole batch, mostly in ggml's flash attention, which takes query rows one at a time below 64): they
 spread the wait over many steps, so no stream stalls for a whole chunk, and the prompt pays
 for it with its first token, later by the extra steps and the dearer tokens. That is
 worth it while the streams decoding outnumber the prompts waiting (one long prompt beside
 many streams); when they do not (a burst of prompts, the first of which has begun to
 decode), the prompts go in large chunks: the largest the model prices at ``burst_step_s``
-(the whole batch where it fits, as on a GPU), so that a request arriving meanwhile waits at
+(the whole batch where it fits, as on a GPU; never under ``BURST_MIN``), so that a request arriving meanwhile waits at
 most about that long for the step in flight, where a whole batch of a CPU takes seconds. One
 prompt alone goes whole, as on llama-server.
 

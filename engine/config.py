@@ -113,7 +113,8 @@ class EngineConfig(BaseModel):
         default=0.5, gt=0.0, le=60.0,
         description="Chunked prefill: while several prompts wait and the streams decoding do not outnumber "
         "them (a burst), a step carries at most the long prompts' tokens the cost model prices at this many "
-        "seconds, so that a request arriving meanwhile waits at most about that for the step in flight. "
+        "seconds (never under 128 tokens), so that a request arriving meanwhile waits at most about that for "
+        "the step in flight. "
         "A device where the whole batch fits (a GPU) keeps whole batches; one prompt alone always does. "
         "Lower: newcomers' first tokens sooner, the burst's prompts a little later (smaller chunks cost "
         "more a token). None: whole batches, as llama-server.",
