@@ -18,20 +18,20 @@ where they conflict (a prompt token costs the stages a fair share of a row, as o
 prompt's floor wins and the gap grows past ``gap_factor``, but never past ``1 / (1 - min_rate)``
 times: where a small chunk costs much more a token than a large one, the floor alone would ask
 for chunks near the whole batch, seconds of stall for every stream. The step's seconds come
-from a cost model fitted to the steps themselves (engine/cost.py): a line in the generating rows, plus a per-token cost by chunk size (a chunk
-of 8 costs more a token than one of 256). A prompt gets at least ``chunk_min`` tokens a step.
+from a cost model fitted to the steps themselves (engine/cost.py): a line in the generating
+rows, plus a per-token cost by chunk size (a chunk of 8 costs more a token than one of 256). A prompt gets at least ``chunk_min`` tokens a step.
 
 Chunks do not save the decoding streams any time in all (the prompt's tokens cost the stages
 as much or more, cut: on a CPU a token of a chunk up to 64 costs 1.5 to 1.8 times one of a
-whole batch, mostly in ggml's flash attention, which takes query rows one at a time below 64): they
-spread the wait over many steps, so no stream stalls for a whole chunk, and the prompt pays
-for it with its first token, later by the extra steps and the dearer tokens. That is
-worth it while the streams decoding outnumber the prompts waiting (one long prompt beside
-many streams); when they do not (a burst of prompts, the first of which has begun to
+whole batch, mostly in ggml's flash attention, which takes query rows one at a time below
+64): they spread the wait over many steps, so no stream stalls for a whole chunk, and the
+prompt pays for it with its first token, later by the extra steps and the dearer tokens.
+That is worth it while the streams decoding outnumber the prompts waiting (one long prompt
+beside many streams); when they do not (a burst of prompts, the first of which has begun to
 decode), the prompts go in large chunks: the largest the model prices at ``burst_step_s``
-(the whole batch where it fits, as on a GPU; never under ``BURST_MIN``), so that a request arriving meanwhile waits at
-most about that long for the step in flight, where a whole batch of a CPU takes seconds. One
-prompt alone goes whole, as on llama-server.
+(the whole batch where it fits, as on a GPU; never under ``BURST_MIN``), so that a request
+arriving meanwhile waits at most about that long for the step in flight, where a whole
+batch of a CPU takes seconds. One prompt alone goes whole, as on llama-server.
 
 A short prompt (at most ``prefill_long_tokens`` to evaluate) is not queued behind long ones:
 it claims a step's prompt tokens first (engine/planner.py, ``prompt_order``), and while one
