@@ -243,7 +243,10 @@ def cost_cell(prompt: Prompts, knobs: dict) -> list[dict]:
                 lambda: None, stop)) for _ in range(2)]
             for t in streams:
                 t.start()
-            while len(steps) < 8:
+            deadline = time.monotonic() + 120
+            while len(steps) < 8:  # both streams decoding
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the cost cell's streams did not start")
                 time.sleep(0.05)
             t0 = time.perf_counter()
             for _ in e.stream(prompt(COST_PROMPT), SamplingParams(max_tokens=1, temperature=0)):
