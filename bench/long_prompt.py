@@ -220,51 +220,58 @@ def _recording(learn: Callable[..., None], steps: list[tuple[int, float]]) -> Ca
 
 
 def cost_cell(prompt: Prompts, knobs: dict) -> list[dict]:
-    """What a prompt token costs a step, by chunk size: one group of the split (in this process,
-    its own RPC server), two streams decoding, then a prompt of ``COST_PROMPT`` tokens given a
-    fixed chunk a step; the median step with a chunk against the median step without."""
-    from deployments.stage import server as rpc_server
-    from engine import Engine, EngineConfig
-    from engine.params import SamplingParams
+    """What a prompt token costs a step, by chunk size (``COST_SIZES``): one group of the split,
+    in this process, with its own RPC server (bench/run.py's)."""
+    from bench.run import RpcServer
 
-    proc = rpc_server.launch("127.0.0.1", COST_RPC, threads=1)
+    server = RpcServer(COST_RPC)
     rows = []
     try:
         for k in COST_SIZES:
-            e = Engine(EngineConfig(**{
-                "model": str(CHAT_MODEL), "n_parallel": 3, "n_ctx": 3 * N_CTX_SLOT, "pipeline_groups": 1,
-                "n_threads": 1, "rpc_endpoints": [f"127.0.0.1:{COST_RPC}"], "peer_layers": N_PEER,
-                **knobs, "prefill_gap_factor": 1.0, "prefill_min_rate": 0.0, "prefill_chunk_min": k}))
-            steps: list[tuple[int, float]] = []
-            e.prefill.observe = _recording(e.prefill.observe, steps)  # type: ignore[method-assign]
-            stop = threading.Event()
-            streams = [threading.Thread(target=follow, daemon=True, args=(
-                e.stream(prompt(8), SamplingParams(max_tokens=N_CTX_SLOT - 16, temperature=0, ignore_eos=True)),
-                lambda: None, stop)) for _ in range(2)]
-            for t in streams:
-                t.start()
-            deadline = time.monotonic() + 120
-            while len(steps) < 8:  # both streams decoding
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the cost cell's streams did not start")
-                time.sleep(0.05)
-            t0 = time.perf_counter()
-            for _ in e.stream(prompt(COST_PROMPT), SamplingParams(max_tokens=1, temperature=0)):
-                pass
-            took = time.perf_counter() - t0
-            stop.set()
-            for t in streams:
-                t.join(60)
-            e.close()
-            chunk = statistics.median(s for n, s in steps if n)
-            plain = statistics.median(s for n, s in steps if not n)
-            rows.append({"chunk": k, "chunk_step_ms": round(chunk * 1e3, 1), "decode_step_ms": round(plain * 1e3, 1),
-                         "ms_per_token": round((chunk - plain) / k * 1e3, 2), "prompt_s": round(took, 2)})
+            rows.append(chunk_cost(server.endpoint, prompt, knobs, k))
             print(json.dumps({"cost": rows[-1]}), flush=True)
     finally:
-        proc.kill()
-        proc.wait()
+        server.close()
     return rows
+
+
+def chunk_cost(endpoint: str, prompt: Prompts, knobs: dict, k: int) -> dict:
+    """Two streams decoding, then a prompt of ``COST_PROMPT`` tokens given ``k`` tokens a step:
+    the median step with a chunk against the median step without."""
+    from engine import Engine, EngineConfig
+    from engine.params import SamplingParams
+
+    e = Engine(EngineConfig(**{
+        "model": str(CHAT_MODEL), "n_parallel": 3, "n_ctx": 3 * N_CTX_SLOT, "pipeline_groups": 1, "n_threads": 1,
+        "rpc_endpoints": [endpoint], "peer_layers": N_PEER,
+        **knobs, "prefill_gap_factor": 1.0, "prefill_min_rate": 0.0, "prefill_chunk_min": k}))
+    try:
+        steps: list[tuple[int, float]] = []
+        e.prefill.observe = _recording(e.prefill.observe, steps)  # type: ignore[method-assign]
+        stop = threading.Event()
+        streams = [threading.Thread(target=follow, daemon=True, args=(
+            e.stream(prompt(8), SamplingParams(max_tokens=N_CTX_SLOT - 16, temperature=0, ignore_eos=True)),
+            lambda: None, stop)) for _ in range(2)]
+        for t in streams:
+            t.start()
+        deadline = time.monotonic() + 120
+        while len(steps) < 8:  # both streams decoding
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cost cell's streams did not start")
+            time.sleep(0.05)
+        t0 = time.perf_counter()
+        for _ in e.stream(prompt(COST_PROMPT), SamplingParams(max_tokens=1, temperature=0)):
+            pass
+        took = time.perf_counter() - t0
+        stop.set()
+        for t in streams:
+            t.join(60)
+    finally:
+        e.close()
+    chunk = statistics.median(s for n, s in steps if n)
+    plain = statistics.median(s for n, s in steps if not n)
+    return {"chunk": k, "chunk_step_ms": round(chunk * 1e3, 1), "decode_step_ms": round(plain * 1e3, 1),
+            "ms_per_token": round((chunk - plain) / k * 1e3, 2), "prompt_s": round(took, 2)}
 
 
 def http_opener(base: str) -> Opener:

@@ -19,7 +19,8 @@ prompt's floor wins and the gap grows past ``gap_factor``, but never past ``1 / 
 times: where a small chunk costs much more a token than a large one, the floor alone would ask
 for chunks near the whole batch, seconds of stall for every stream. The step's seconds come
 from a cost model fitted to the steps themselves (engine/cost.py): a line in the generating
-rows, plus a per-token cost by chunk size (a chunk of 8 costs more a token than one of 256). A prompt gets at least ``chunk_min`` tokens a step.
+rows, plus a per-token cost by chunk size (a chunk of 8 costs more a token than one of 256).
+A prompt gets at least ``chunk_min`` tokens a step.
 
 Chunks do not save the decoding streams any time in all (the prompt's tokens cost the stages
 as much or more, cut: on a CPU a token of a chunk up to 64 costs 1.5 to 1.8 times one of a
@@ -123,7 +124,7 @@ class PrefillBudget:
         def step(k: int) -> float:
             return cost.step(rows, k) or 0.0
 
-        k_gap = _last(lo, capacity, lambda k: step(k) <= self.gap_factor * ref) or lo
+        k_gap = self._within(rows, capacity, self.gap_factor * ref)
         if self.min_rate <= 0:
             return k_gap
         full = capacity / max(step(capacity), 1e-9)  # the rate the whole batch would give it
@@ -134,7 +135,7 @@ class PrefillBudget:
         # the whole batch and stall every stream for seconds, for little more rate
         if self.min_rate < 1:
             cap = max(self.gap_factor, 1 / (1 - self.min_rate))
-            k_rate = min(k_rate, _last(lo, capacity, lambda k: step(k) <= cap * ref) or lo)
+            k_rate = min(k_rate, self._within(rows, capacity, cap * ref))
         return max(k_gap, k_rate)
 
     def burst(self, rows: int, capacity: int) -> int:
@@ -144,9 +145,13 @@ class PrefillBudget:
         fits, or where nothing is learnt yet (its step teaches the model what a large chunk costs)."""
         if self.burst_step_s is None or self.cost.step(rows, capacity) is None:
             return capacity
-        limit = self.burst_step_s
-        k = _last(self.chunk_min, capacity, lambda k: (self.cost.step(rows, k) or 0.0) <= limit) or self.chunk_min
-        return max(k, min(capacity, BURST_MIN))
+        return max(self._within(rows, capacity, self.burst_step_s), min(capacity, BURST_MIN))
+
+    def _within(self, rows: int, capacity: int, seconds: float) -> int:
+        """The largest chunk, at least ``chunk_min``, whose step beside ``rows`` generating rows
+        the model prices at most ``seconds``."""
+        lo = self.chunk_min
+        return _last(lo, capacity, lambda k: (self.cost.step(rows, k) or 0.0) <= seconds) or lo
 
     def long_cut(self, group: int, n_short: int) -> int | None:
         """The most tokens of long prompts the next step of ``group`` may carry beside short
