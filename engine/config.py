@@ -195,6 +195,16 @@ class EngineConfig(BaseModel):
         "group as a copy of that slot's KV on the device, instead of evaluating it again. Not for "
         "recurrent or hybrid models.",
     )
+    prompt_cache_mib: int | None = Field(
+        default=None, ge=0,
+        description="The prompt cache beyond the slots, in MiB of KV over all stages and groups [--cache-ram]: "
+        "when a request takes a slot whose KV it does not continue, what the slot held is kept in one more "
+        "sequence of the group's KV pool (a slot's size each, on every stage's own device), and a later prompt "
+        "that continues it takes it back into whatever slot it gets; least recently used first out. Save and "
+        "restore are copies inside each stage's memory: no KV crosses the link. None: as much KV again as "
+        "the slots have (one entry a slot); 0: off (only the slots cache). The KV is allocated at start, on "
+        "each stage's device. Needs share_prefix (not recurrent or hybrid models).",
+    )
     share_min_tokens: int = Field(
         default=32, ge=1, description="Least gain, in prompt tokens, for a prefix to be copied from another slot."
     )

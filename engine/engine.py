@@ -26,11 +26,13 @@ from pathlib import Path
 from engine.budget import PrefillBudget
 from engine.config import EngineConfig
 from engine.embeddings import Embedder
+from engine.gguf_shape import read_shape
 from engine.grammar import GrammarCompiler, GrammarDeadEnd
 from engine.group import CancelMsg, PipelineGroup, SlotBusyError, SlotOpMsg, StartMsg
 from engine.mtp import require_mtp
 from engine.native import Model, add_rpc_server, local_device_name
 from engine.prefix import sharing_on
+from engine.prompt_cache import LLAMA_MAX_SEQ, n_entries_for
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.slots import Slot, SlotView
@@ -131,10 +133,12 @@ class Engine:
             self.prefill = PrefillBudget(config.pipeline_groups, config.prefill_gap_factor, config.prefill_min_rate,
                                          config.prefill_chunk_min, config.prefill_beside_short,
                                          burst_step_s=config.prefill_burst_step_s)
+            self.entry_bytes = 0
+            self.n_kept = self._cache_entries()
             for g in range(config.pipeline_groups):
                 group = PipelineGroup(g, self.model, self.tokenizer, config, self.slots[g * per : (g + 1) * per],
                                       self._sink, self.scheduler.release, draft_model=self.draft_model,
-                                      budget=self.prefill)
+                                      budget=self.prefill, n_kept=self.n_kept, on_kept=self.scheduler.kept)
                 built.callback(group.close)
                 self.groups.append(group)
             self.embedder = (Embedder(self.model, config.n_ubatch, config.local_threads(), config.pooling,
@@ -153,13 +157,43 @@ class Engine:
         for grp in self.groups:
             grp.start()
         log.info(
-            "engine ready: %s, %d slots over %d group(s), %d tokens per slot, devices %s",
+            "engine ready: %s, %d slots over %d group(s), %d tokens per slot, devices %s; prompt cache: "
+            "%d entries per group (%.0f MiB of KV each)",
             self.model_name,
             config.n_parallel,
             config.pipeline_groups,
             self.n_ctx_slot,
             self.devices or "default",
+            self.n_kept,
+            self.entry_bytes / 2**20,
         )
+
+    def _cache_entries(self) -> int:
+        """Entries of each group's prompt cache: what ``prompt_cache_mib`` holds of slot-sized
+        KV sequences over every stage (none where slots cannot share KV)."""
+        cfg = self.config
+        if not sharing_on(cfg, self.model) or cfg.prompt_cache_mib == 0:
+            return 0
+        self.entry_bytes = read_shape(cfg.model).kv_bytes(cfg.n_ctx_per_group // cfg.n_slots_per_group)
+        if cfg.prompt_cache_mib is None:
+            return max(0, min(cfg.n_slots_per_group, LLAMA_MAX_SEQ - cfg.n_slots_per_group))
+        return n_entries_for(cfg.prompt_cache_mib << 20, self.entry_bytes, cfg.pipeline_groups,
+                             cfg.n_slots_per_group)
+
+    def kv_bytes_per_token(self) -> dict[str, int]:
+        """The KV bytes one cached token takes on each device (f16 KV): each stage keeps its
+        own layers' part."""
+        if getattr(self, "_kv_per_token", None) is None:
+            shape = read_shape(self.config.model)
+            per_layer = shape.kv_bytes(1) // max(shape.n_layer, 1)
+            out: dict[str, int] = {}
+            placed = self.model.layer_devices
+            last = max(placed) if placed else -1
+            for il in range(shape.n_layer):
+                dev = placed.get(il, placed.get(last, "CPU")) if placed else "CPU"
+                out[dev] = out.get(dev, 0) + per_layer
+            self._kv_per_token = out
+        return self._kv_per_token
 
     def _sink(self, outs: list[Output]) -> None:
         try:

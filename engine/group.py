@@ -80,7 +80,11 @@ class PipelineGroup:
         *,
         budget: PrefillBudget,
         draft_model: Model | None = None,
+        n_kept: int = 0,
+        on_kept: Callable[[int, list], None] | None = None,
     ) -> None:
+        """``n_kept``: entries of the group's prompt cache; ``on_kept(group, tokens)`` hears
+        what they hold whenever a save changes it (the scheduler routes by it)."""
         self.index = index
         self.model = model
         self.tok = tokenizer
@@ -90,7 +94,8 @@ class PipelineGroup:
         self.sink = sink
         self.on_release = on_release
         self.n_vocab = model.n_vocab
-        self.runner = Runner(index, model, config, len(slots), draft_model)
+        self.runner = Runner(index, model, config, len(slots), draft_model, n_kept)
+        self.on_kept = on_kept
         self.prefix = self.runner.prefix
         self.n_ctx_slot = self.runner.n_ctx_slot
         self.spec = config.speculative
@@ -232,17 +237,21 @@ class PipelineGroup:
     # ---- a request starts -------------------------------------------------------------------
 
     def _begin(self, r: Request) -> None:
+        kept = self.prefix.kept
+        n_saves = kept.n_saves if kept else 0
         leader = self._begin_one(r)
         for f in r.followers:
             # its own sampler and text from now; its prompt's KV comes from the leader, and
             # its first token from the leader's logits
             self._begin_one(f, leader)
+        if kept and kept.n_saves != n_saves and self.on_kept is not None:
+            self.on_kept(self.index, kept.views())
         self._publish_load()  # a short prompt cuts the other groups' long chunks from their next step
 
     def _begin_one(self, r: Request, leader: Slot | None = None) -> Slot:
         s = self._by_id[r.slot_id]
         start = plan_start(s, r, self.slots, self.prefix, self.config.cache_prompt, leader)
-        self.runner.begin(start, banned=self.tok.eog_tokens if r.params.ignore_eos else ())
+        self.runner.begin(start, banned=self.tok.eog_tokens if r.params.ignore_eos else (), slots=self.slots)
         self.active.append(s)
         self.on_release(s.view(), False)
         return s
@@ -292,7 +301,8 @@ class PipelineGroup:
         # the step's figures are published before its outputs leave, so whoever reads an output
         # finds the step that made it counted; the send's own time goes to the next snapshot
         prof.end_step(got.n_sampled, plan.n_tokens, len(self.active) + len(got.endings),
-                      sum(len(s.cache_tokens) for s in self.slots), plan.n_ubatches, self.prefix.n_copied)
+                      sum(len(s.cache_tokens) for s in self.slots), plan.n_ubatches, self.prefix.n_copied,
+                      self.prefix.kept.stats() if self.prefix.kept else None)
         with prof.timed("send"):
             if outs:
                 self.sink(outs)

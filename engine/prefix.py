@@ -10,7 +10,9 @@ their behalf. A new prompt reuses, in this order of preference:
   device (``llama_memory_seq_cp``; on the peer the RPC server copies its own buffers, nothing
   crosses the link), or
 - a prefix another slot of the group is computing right now: the new slot waits until that
-  slot's prompt has got there, then copies it, instead of evaluating it a second time.
+  slot's prompt has got there, then copies it, instead of evaluating it a second time, or
+- a prefix kept in the group's prompt cache (engine/prompt_cache.py): what a slot held before
+  another request took it, saved as a copy into one of the group's extra sequences first.
 
 What may be reused is bounded by the model: a sliding-window model keeps only the last
 ``n_swa`` positions in its window layers, so a prefix is reusable only while the positions it
@@ -34,6 +36,7 @@ from engine.errors import NativeError
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.native import Context, Model
+    from engine.prompt_cache import PromptCache
     from engine.slots import Slot
 
 
@@ -93,8 +96,10 @@ class Reuse:
 class PrefixCache:
     """The KV prefix of one group's sequences (its thread only)."""
 
-    def __init__(self, ctx: Context, *, n_swa: int, unified: bool, shareable: bool, share_min: int) -> None:
+    def __init__(self, ctx: Context, *, n_swa: int, unified: bool, shareable: bool, share_min: int,
+                 kept: PromptCache | None = None) -> None:
         self.ctx = ctx
+        self.kept = kept if kept is not None and len(kept) and shareable else None
         self.n_swa = n_swa
         self.unified = unified  # one KV stream: a copy is metadata, and may take a range
         self.shareable = shareable  # not for recurrent or hybrid models
@@ -115,7 +120,7 @@ class PrefixCache:
         if not (share and self.shareable) or cap <= 0:
             return best
         need = n_own + self.share_min
-        for o in others:
+        for o in [*others, *(self.kept.held() if self.kept else ())]:
             if o is slot or o.leader is not None:
                 continue  # a follower's KV is its leader's to give
             n = min(_lcp(o.cache_tokens, p), cap) if o.cache_tokens else 0
@@ -138,6 +143,33 @@ class PrefixCache:
         """Keep the first ``n`` tokens of the slot's own KV; returns how many it kept."""
         return keep_prefix(self.ctx, self.n_swa, slot.seq_id, slot.cache_tokens, n)
 
+    def take(self, src: Slot, dst: Slot, n: int) -> bool:
+        """``copy`` for a new prompt: counts what it reused (from another slot, or from the
+        prompt cache: a restore)."""
+        if not self.copy(src, dst, n):
+            return False
+        if src.id < 0 and self.kept is not None:
+            self.kept.hit(src, n)
+        else:
+            self.n_copied += n
+        return True
+
+    def save(self, slot: Slot, n_keep: int, source: Slot | None = None, slots: list[Slot] = ()) -> bool:
+        """Before the slot keeps only its first ``n_keep`` tokens (and takes ``source``'s):
+        save all it holds into the prompt cache, when that is worth it (``slots``: the group's,
+        whose KV makes an entry's redundant). Returns whether it did."""
+        kept = self.kept
+        if kept is None or not kept.worth_saving(slot.cache_tokens, n_keep):
+            return False
+        busy = set(self.pending.values())  # read by copies not yet made
+        if source is not None:
+            busy.add(source.seq_id)
+        entry, evicted = kept.victim(slot.cache_tokens, busy, [o.cache_tokens for o in slots if o is not slot])
+        if entry is None or not self.copy(slot, entry, len(slot.cache_tokens)):
+            return False
+        kept.saved(entry, evicted)
+        return True
+
     def copy(self, src: Slot, dst: Slot, n: int) -> bool:
         """Give ``dst`` the first ``n`` tokens of ``src``'s KV (dropping what ``dst`` held);
         False when the window no longer holds them (``dst`` is then empty). With one stream
@@ -157,7 +189,6 @@ class PrefixCache:
                 self.ctx.seq_rm(dst.seq_id, 0, -1)
                 return False
         dst.cache_tokens.extend(src.cache_tokens[:n])
-        self.n_copied += n
         return True
 
     def applied(self) -> None:

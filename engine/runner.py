@@ -22,6 +22,7 @@ from engine.mtp import MtpDrafter
 from engine.native import Batch, Context, Model, NativeError
 from engine.planner import Plan, Start
 from engine.prefix import PrefixCache, sharing_on
+from engine.prompt_cache import PromptCache
 from engine.sampling import SamplerChain
 from engine.slots import Slot
 from engine.speculative import ModelDrafter, NgramDrafter
@@ -31,18 +32,23 @@ log = logging.getLogger(__name__)
 
 class Runner:
     def __init__(self, index: int, model: Model, config: EngineConfig, n_seq: int,
-                 draft_model: Model | None = None) -> None:
+                 draft_model: Model | None = None, n_kept: int = 0) -> None:
+        """``n_seq`` slots, and ``n_kept`` more sequences of a slot's size for the prompt cache
+        (engine/prompt_cache.py)."""
         self.index = index
         self.n_vocab = model.n_vocab
         self.vocab = model.vocab
         self.seed = config.seed
         self.backend_sampling = config.backend_sampling
         n_batch = max(config.n_batch, n_seq)
+        n_all = n_seq + n_kept
+        # every sequence, slot or cache entry, gets a slot's share of the KV
+        n_ctx = config.n_ctx_per_group // n_seq * n_all if n_kept else config.n_ctx_per_group
         with ExitStack() as built:
             self.ctx = Context(
                 model,
-                n_ctx=config.n_ctx_per_group,
-                n_seq_max=n_seq,
+                n_ctx=n_ctx,
+                n_seq_max=n_all,
                 n_batch=n_batch,
                 n_ubatch=config.n_ubatch,
                 n_threads=config.local_threads(),
@@ -61,7 +67,7 @@ class Runner:
                     # rows sampled in the graph give one token: no drafts, so no MTP context
                     if not config.backend_sampling:
                         self.drafter = self.mtp = MtpDrafter(
-                            spec, model, self.ctx, n_ctx=config.n_ctx_per_group, n_seq=n_seq, n_batch=n_batch,
+                            spec, model, self.ctx, n_ctx=n_ctx, n_seq=n_all, n_batch=n_batch,
                             n_ubatch=config.n_ubatch, n_threads=spec.draft_threads or config.local_threads(),
                             flash_attn=config.flash_attn, kv_unified=config.kv_unified)
                 else:
@@ -77,7 +83,9 @@ class Runner:
         # with MTP, every KV operation of the prefix cache applies to the MTP context too
         self.prefix = PrefixCache(self.mtp.kv if self.mtp else self.ctx, n_swa=model.n_swa, unified=config.kv_unified,
                                   shareable=sharing_on(config, model),
-                                  share_min=config.share_min_tokens)
+                                  share_min=config.share_min_tokens,
+                                  kept=PromptCache(index, n_seq, n_kept, min_tokens=config.share_min_tokens,
+                                                   slack=config.share_min_tokens))
         # when the decode in progress began (time.monotonic), 0.0 between decodes: a decode
         # that never returns (a frozen peer) is seen from outside by this
         self.decode_since = 0.0
@@ -123,17 +131,20 @@ class Runner:
         if self.mtp is not None:
             self.mtp.observe(plan)
         for c in plan.copies:
-            c.done = self.prefix.copy(c.src, c.dst, c.n)
+            c.done = self.prefix.take(c.src, c.dst, c.n)
 
     # ---- a request starts ---------------------------------------------------------------------
 
-    def begin(self, st: Start, banned: tuple[int, ...]) -> None:
+    def begin(self, st: Start, banned: tuple[int, ...], slots: list[Slot] = ()) -> None:
         """Start ``st.request`` on its slot as planned: the KV it reuses (a copy of a ready
         prefix, or what it keeps of its own), its sampler chain (``banned``: tokens it may not
-        sample) fed the prompt, and, with backend sampling, the chain in the graph."""
+        sample) fed the prompt, and, with backend sampling, the chain in the graph. What the slot held
+        beyond what it keeps is saved into the prompt cache first (``slots``: the group's)."""
         s, r, reuse = st.slot, st.request, st.reuse
+        # what the slot holds past what it keeps goes to the prompt cache first
+        self.prefix.save(s, reuse.own if reuse.source is None else 0, reuse.source, slots)
         if reuse.source is not None and reuse.ready:
-            n_reused = reuse.shared if self.prefix.copy(reuse.source, s, reuse.shared) else 0
+            n_reused = reuse.shared if self.prefix.take(reuse.source, s, reuse.shared) else 0
         else:
             n_reused = self.prefix.keep(s, reuse.own)
         sampler = SamplerChain(r.params, self.n_vocab, self.seed, force_chain=self.backend_sampling,

@@ -128,6 +128,7 @@ class Scheduler:
         self._running: dict[str, Request] = {}
         self._slot_request: dict[int, str] = {}
         self._slot_prompt: dict[int, np.ndarray] = {}  # a busy slot's prompt: its KV will hold it
+        self._kept: dict[int, list[np.ndarray]] = {}  # group -> the tokens its prompt cache's entries hold
         self.share_prefix = share_prefix  # groups share prefixes between their slots
         self.share_min = share_min  # ... of at least this many tokens
         self._dispatch = dispatch
@@ -139,6 +140,10 @@ class Scheduler:
         self.long_prompt = long_prompt  # a prompt with more tokens to evaluate weighs decoding streams
         self.aging = aging  # 0: first come, first served
         self.n_deferred_total = 0
+        # requests sent to a group while another held clearly more of their prompt (a slot's or
+        # its prompt cache's), and the prompt tokens that other group held beyond it
+        self.n_elsewhere = 0
+        self.n_elsewhere_tokens = 0
 
     def submit(self, r: Request) -> None:
         """Start ``r`` now or queue it; raises ``QueueFullError`` (HTTP 429) when its queue is
@@ -188,15 +193,22 @@ class Scheduler:
             if b.state == "generating":
                 decoding[b.group] = decoding.get(b.group, 0) + 1
         prompt = np.asarray(r.prompt_tokens, dtype=np.int32)
+        held = None
+        if self.share_prefix and r.cache_prompt:
+            held = group_prefixes([(w.group, w.cached_tokens) for w in self._views.values()]
+                                  + [(self._views[sid].group, p) for sid, p in self._slot_prompt.items()]
+                                  + [(g, t) for g, ts in self._kept.items() for t in ts], prompt)
         if r.id_slot >= 0:
             v = self._views[r.id_slot]
         else:
-            held = None
-            if self.share_prefix and r.cache_prompt:
-                held = group_prefixes([(w.group, w.cached_tokens) for w in self._views.values()]
-                                      + [(self._views[sid].group, p) for sid, p in self._slot_prompt.items()], prompt)
             v = choose_slot(idle, prompt, self._last_used, self.similarity, busy, held, self.share_min,
                             decoding, self.long_prompt)
+        if held:
+            here = max(held.get(v.group, 0), common_prefix(v.cached_tokens, prompt))
+            elsewhere = max(held.values()) - here
+            if elsewhere >= self.share_min:
+                self.n_elsewhere += 1
+                self.n_elsewhere_tokens += elsewhere
         # followers: the group's other idle slots nearest in sequence id (one micro-batch)
         others = sorted((w for w in idle if w.group == v.group and w.id != v.id), key=lambda w: abs(w.seq_id - v.seq_id))
         for member, slot in zip(r.family, [v, *others], strict=False):
@@ -206,6 +218,11 @@ class Scheduler:
             self._slot_request[slot.id] = member.id
             self._slot_prompt[slot.id] = prompt
         self._dispatch(v.group, r)
+
+    def kept(self, group: int, tokens: list[np.ndarray]) -> None:
+        """A group's prompt cache holds ``tokens`` (one array an entry) now."""
+        with self._lock:
+            self._kept[group] = tokens
 
     def release(self, view: SlotView, finished: bool) -> None:
         """A group published a slot (idle again after a request, or after a slot action)."""
@@ -252,7 +269,10 @@ class Scheduler:
             return fit[0] if fit else None
         chosen = next((r for r in fit if self._passed.get(r.id, 0) >= self.aging), None)
         if chosen is None:
-            cached = [self._views[i].cached_tokens for i in self._idle]
+            # what the free slots would reuse: their own KV, or their group's prompt cache
+            groups = {self._views[i].group for i in self._idle}
+            cached = [self._views[i].cached_tokens for i in self._idle] + [
+                t for g in groups for t in self._kept.get(g, ())]
             chosen = min(fit, key=lambda r: to_evaluate(r.prompt_tokens, cached))
         for r in fit:
             if r is chosen:

@@ -32,6 +32,14 @@ class ProfileSnapshot:
     drafted: int = 0  # ... draft tokens verified
     accepted: int = 0  # ... and accepted
     prefix_copied: int = 0  # prompt tokens whose KV was copied from another slot of the group
+    # the group's prompt cache (engine/prompt_cache.py): entries it has, hold, and their tokens
+    cache_capacity: int = 0
+    cache_entries: int = 0
+    cache_tokens: int = 0
+    cache_saves: int = 0  # ... counters: slots' KV saved into it
+    cache_hits: int = 0  # prompts that took a prefix from it
+    cache_reused: int = 0  # prompt tokens they took
+    cache_evictions: int = 0  # entries overwritten while holding a conversation of their own
     wait: float = 0.0
     draft: float = 0.0
     batch: float = 0.0
@@ -46,7 +54,8 @@ class ProfileSnapshot:
     def minus(self, other: ProfileSnapshot) -> ProfileSnapshot:
         vals = {f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)}
         vals["group"] = self.group
-        vals["kv_used"], vals["kv_total"] = self.kv_used, self.kv_total
+        for gauge in ("kv_used", "kv_total", "cache_capacity", "cache_entries", "cache_tokens"):
+            vals[gauge] = getattr(self, gauge)
         return ProfileSnapshot(**vals)
 
     def line(self) -> str:
@@ -105,8 +114,9 @@ class GroupProfiler:
         self._accepted += accepted
 
     def end_step(self, rows: int, tokens: int, busy_slots: int, kv_used: int, ubatches: int,
-                 copied: int = 0) -> None:
-        """``copied``: prompt tokens the group's prefix copies have taken so far."""
+                 copied: int = 0, cache: object | None = None) -> None:
+        """``copied``: prompt tokens the group's prefix copies have taken so far; ``cache``:
+        its prompt cache's ``CacheStats`` (engine/prompt_cache.py)."""
         self._steps += 1
         self._ubatches += ubatches
         self._rows += rows
@@ -125,6 +135,7 @@ class GroupProfiler:
             drafted=self._drafted,
             accepted=self._accepted,
             prefix_copied=copied,
+            **({f"cache_{f.name}": getattr(cache, f.name) for f in fields(cache)} if cache is not None else {}),
             **self._acc,
         )
         if self._log_enabled:

@@ -1,0 +1,133 @@
+"""The prompt cache of one group: the KV of finished requests kept beyond its slots.
+
+A group's context holds one KV sequence per slot and ``n_entries`` more, each a slot's size.
+When a request takes a slot whose KV it does not continue, what the slot held is first copied
+into an entry (saved) instead of being dropped; a later prompt that continues an entry's tokens
+takes them back as a copy into whatever slot of the group it gets (restored). The group's
+``PrefixCache`` makes both copies (engine/prefix.py); this module only keeps the entries'
+bookkeeping and chooses which entry a save overwrites:
+
+- an entry that holds nothing, else
+- one whose tokens a slot holds too (the source of a restore: the slot now continues them), or
+  that the saved tokens supersede (the same conversation a turn earlier): its tokens are, but
+  for at most ``slack`` at their end, a prefix of the other's, else
+- the least recently used (an eviction).
+
+A save comes before the restore that replaces the slot's KV, so it cannot overwrite the entry
+being restored; that entry is the next save's first choice instead. So a group with ``n``
+slots and ``m`` entries keeps ``n + m - 1`` conversations without evicting any.
+
+Where the KV lives, and why nothing crosses the link: each stage keeps the KV of its own
+layers in its own device's memory, and llama.cpp keeps the cells' bookkeeping in the engine's
+process. With one KV stream per sequence (the default) a copy between sequences is a copy
+between two streams that llama.cpp makes at the start of the next decode: on the peer a ggml
+RPC copy command per tensor, which the server carries out in its own memory. With one unified
+stream the copied cells are shared and no byte moves at all. Either way the KV of a cached
+prompt never travels, unlike a state read and written with ``llama_state_seq_*``.
+
+Only the group's thread calls into a ``PromptCache``; what others read (the entries' tokens,
+for the scheduler; the counters, for the metrics) is published as immutable copies.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.prefix import common_prefix
+from engine.slots import Slot
+
+LLAMA_MAX_SEQ = 256  # llama.cpp's bound on a context's sequences (src/llama-cparams.h)
+
+
+def n_entries_for(budget_bytes: int, entry_bytes: int, n_groups: int, n_slots_per_group: int) -> int:
+    """Entries per group that ``budget_bytes`` holds, over ``n_groups`` groups, at
+    ``entry_bytes`` each (a slot-sized KV sequence over every stage), within llama.cpp's bound
+    on a context's sequences."""
+    if budget_bytes <= 0 or entry_bytes <= 0:
+        return 0
+    n = budget_bytes // (entry_bytes * n_groups)
+    return int(max(0, min(n, LLAMA_MAX_SEQ - n_slots_per_group)))
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """A group's prompt cache figures (counters since start but ``entries`` and ``tokens``)."""
+
+    capacity: int = 0  # entries the group has
+    entries: int = 0  # entries holding tokens
+    tokens: int = 0  # tokens those entries hold
+    saves: int = 0  # slots' KV saved into an entry
+    hits: int = 0  # prompts that took a prefix from an entry
+    reused: int = 0  # prompt tokens those prompts took from entries
+    evictions: int = 0  # entries overwritten while still holding a conversation of their own
+
+
+class PromptCache:
+    """The entries of one group (its thread only)."""
+
+    def __init__(self, group: int, first_seq_id: int, n_entries: int, *, min_tokens: int, slack: int) -> None:
+        # an entry is a slot that never runs a request: the prefix cache's copies take it as
+        # they take any other sequence of the group
+        self.entries = [Slot(id=-(i + 1), group=group, seq_id=first_seq_id + i) for i in range(n_entries)]
+        self.min_tokens = max(1, min_tokens)  # fewer tokens than this are not worth an entry
+        self.slack = slack
+        self.n_saves = self.n_hits = self.n_reused = self.n_evictions = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def held(self) -> list[Slot]:
+        return [e for e in self.entries if e.cache_tokens]
+
+    def worth_saving(self, tokens: list[int], n_kept: int) -> bool:
+        """Whether a slot about to keep only ``n_kept`` of its ``tokens`` should save them all
+        first: enough would be lost, and no entry holds them already."""
+        if not self.entries or len(tokens) - n_kept < self.min_tokens:
+            return False
+        t = np.asarray(tokens, np.int32)
+        return not any(len(e.cache_tokens) >= len(t) and common_prefix(np.asarray(e.cache_tokens, np.int32), t) == len(t)
+                       for e in self.entries)
+
+    def victim(self, tokens: list[int], exclude: set[int], slots: list[list[int]] = ()) -> tuple[Slot | None, bool]:
+        """The entry a save of ``tokens`` overwrites, and whether that evicts a conversation;
+        entries whose sequence ids are in ``exclude`` (read by a copy not yet made) are not
+        taken; ``slots``: what the group's slots hold. None when every entry is excluded."""
+        free = [e for e in self.entries if e.seq_id not in exclude]
+        if not free:
+            return None, False
+        empty = next((e for e in free if not e.cache_tokens), None)
+        if empty is not None:
+            return empty, False
+        newer = [np.asarray(x, np.int32) for x in (tokens, *slots) if len(x)]
+
+        def superseded(e: Slot) -> bool:
+            n = len(e.cache_tokens)
+            mine = np.asarray(e.cache_tokens, np.int32)
+            return any(common_prefix(mine, t) >= max(1, n - self.slack) for t in newer)
+
+        old = [e for e in free if superseded(e)]
+        if old:
+            return min(old, key=lambda e: e.last_used), False
+        return min(free, key=lambda e: e.last_used), True
+
+    def saved(self, entry: Slot, evicted: bool) -> None:
+        entry.last_used = time.monotonic()
+        self.n_saves += 1
+        self.n_evictions += evicted
+
+    def hit(self, entry: Slot, n: int) -> None:
+        entry.last_used = time.monotonic()
+        self.n_hits += 1
+        self.n_reused += n
+
+    def views(self) -> list[np.ndarray]:
+        """The tokens each entry holds, for the scheduler (copies)."""
+        return [np.asarray(e.cache_tokens, np.int32) for e in self.entries if e.cache_tokens]
+
+    def stats(self) -> CacheStats:
+        held = self.held()
+        return CacheStats(len(self.entries), len(held), sum(len(e.cache_tokens) for e in held),
+                          self.n_saves, self.n_hits, self.n_reused, self.n_evictions)
