@@ -44,6 +44,7 @@ def choose_slot(
     min_shared: int = 1,
     decoding: dict[int, int] | None = None,
     long_prompt: int = 0,
+    kept: dict[int, int] | None = None,
 ) -> SlotView:
     """The slot for a new prompt.
 
@@ -87,17 +88,31 @@ def choose_slot(
     def enough(k: int) -> bool:
         return k > 0 and n > 0 and k / n >= similarity
 
+    def lost(v: SlotView) -> int:
+        # what the slot holds past the prompt's prefix: saved into the prompt cache or dropped
+        return v.n_cached - lcp[v.id]
+
     lcp = {v.id: common_prefix(v.cached_tokens, prompt) for v in idle}
     best = max(lcp.values())
     in_group = {v.group: h if (h := (held or {}).get(v.group, 0)) >= min_shared else 0 for v in idle}
     best_held = max(in_group.values())
     if enough(best) and best >= NEAR_PREFIX * best_held:
-        near = [v for v in idle if lcp[v.id] >= NEAR_PREFIX * best]
-        return min(near, key=lambda v: (load(v), -lcp[v.id], *rest(v)))
+        # a slot of a group that shares its slots' KV starts from what its group holds, as a copy;
+        # what a slot costs is what it evaluates and what of its own KV it displaces (into the
+        # prompt cache, or dropped): of the slots that cost near the least, the least loaded
+        def start(v: SlotView) -> int:
+            return max(lcp[v.id], in_group[v.group])
+
+        def cost(v: SlotView) -> int:
+            return n - start(v) + (lost(v) if lost(v) > min_shared else 0)
+
+        least = min(cost(v) for v in idle)
+        near = [v for v in idle if cost(v) <= least + (1 - NEAR_PREFIX) * n]
+        return min(near, key=lambda v: (load(v, start(v)), cost(v), (kept or {}).get(v.group, 0), *rest(v)))
     if enough(best_held):
         def weighed(v: SlotView) -> tuple:
             h = in_group[v.group]
-            return (load(v, max(h, lcp[v.id])) - (h >= NEAR_PREFIX * best_held), -h, -lcp[v.id], *rest(v))
+            return (load(v, max(h, lcp[v.id])) - (h >= NEAR_PREFIX * best_held), -h, lost(v), -lcp[v.id], *rest(v))
 
         return min(idle, key=weighed)
     return min(idle, key=lambda v: (load(v), *rest(v)))
@@ -202,7 +217,7 @@ class Scheduler:
             v = self._views[r.id_slot]
         else:
             v = choose_slot(idle, prompt, self._last_used, self.similarity, busy, held, self.share_min,
-                            decoding, self.long_prompt)
+                            decoding, self.long_prompt, {g: len(ts) for g, ts in self._kept.items()})
         if held:
             here = max(held.get(v.group, 0), common_prefix(v.cached_tokens, prompt))
             elsewhere = max(held.values()) - here

@@ -1,0 +1,216 @@
+"""The prompt cache beyond the slots (engine/prompt_cache.py): conversations that come back
+after their slot served others take their history back instead of evaluating it again; the
+text does not change; routing follows the cache; a small cache evicts and nothing fails; on the
+split a restore sends commands over the link, not KV."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import SamplingParams
+from engine.prompt_cache import LLAMA_MAX_SEQ, PromptCache, n_entries_for
+from tests.link_meter import LinkMeter
+
+P = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+SYSTEM = [(11 * k + 5) % 3000 + 20 for k in range(64)]
+
+
+def user(i: int, turn: int, n: int = 60) -> list[int]:
+    """Conversation ``i``'s user message of ``turn``: tokens no other message shares."""
+    return [(97 * i + 31 * turn + 7 * k) % 3500 + 300 for k in range(n)]
+
+
+def run(e, prompt: list[int], id_slot: int = -1):
+    """One request to the end: (its text, the tokens it generated, its final output)."""
+    r = e.make_request(prompt, P)
+    r.id_slot = id_slot
+    q = e.outputs.register(r.id)
+    e.submit(r)
+    parts, toks = [], []
+    while True:
+        o = q.get(timeout=120)
+        parts.append(o.text)
+        toks += o.tokens
+        if o.finish_reason is not None:
+            return "".join(parts), toks, o
+
+
+def chat(e, n_conv: int, n_turns: int) -> tuple[list[str], list[tuple[int, int, int]]]:
+    """``n_conv`` conversations, one turn of each in turn: every turn resends the history (the
+    previous prompt, its answer) and a new message. Returns the texts and, per returning turn,
+    (tokens cached, the history it resent, the prompt's length)."""
+    history = {i: list(SYSTEM) for i in range(n_conv)}
+    texts, reuse = [], []
+    for turn in range(n_turns):
+        for i in range(n_conv):
+            before = len(history[i])
+            prompt = history[i] + user(i, turn)
+            text, toks, fin = run(e, prompt)
+            texts.append(text)
+            if turn:
+                reuse.append((fin.cached_tokens, before, len(prompt)))
+            history[i] = prompt + toks
+    return texts, reuse
+
+
+def cache_stats(e):
+    return [g.prefix.kept.stats() for g in e.groups if g.prefix.kept is not None]
+
+
+# ---- the entries' bookkeeping -------------------------------------------------------------------
+
+def test_a_save_takes_an_empty_entry_then_a_redundant_one_then_the_least_recently_used():
+    c = PromptCache(0, first_seq_id=2, n_entries=3, min_tokens=4, slack=2)
+    assert [e.seq_id for e in c.entries] == [2, 3, 4]
+    a, b, d = c.entries
+    a.cache_tokens[:] = [1, 2, 3, 4, 5]
+    b.cache_tokens[:] = [9, 9, 9, 9]
+    c.saved(a, False)
+    c.saved(b, False)
+    assert c.victim([7, 7, 7, 7], set()) == (d, False)  # empty first
+    d.cache_tokens[:] = [8, 8, 8, 8]
+    c.saved(d, False)
+    # a slot holds a's tokens and more (it was restored from a): a goes first, no eviction
+    assert c.victim([7, 7, 7, 7], set(), slots=[[1, 2, 3, 4, 5, 6, 7]]) == (a, False)
+    # the saved tokens continue b's but for its last token (a re-rendered end): b is superseded
+    assert c.victim([9, 9, 9, 0, 1, 2], set()) == (b, False)
+    # else the least recently used is evicted, unless a copy will still read it
+    assert c.victim([7, 7, 7, 7], set()) == (a, True)
+    assert c.victim([7, 7, 7, 7], {a.seq_id}) == (b, True)
+    assert c.victim([7, 7, 7, 7], {2, 3, 4}) == (None, False)
+
+
+def test_a_save_is_skipped_when_little_would_be_lost_or_an_entry_holds_it_already():
+    c = PromptCache(0, first_seq_id=1, n_entries=1, min_tokens=4, slack=0)
+    assert not c.worth_saving([1, 2, 3, 4, 5], n_kept=2)  # 3 tokens lost: under min_tokens
+    assert c.worth_saving([1, 2, 3, 4, 5, 6], n_kept=2)
+    c.entries[0].cache_tokens[:] = [1, 2, 3, 4, 5, 6, 7]
+    assert not c.worth_saving([1, 2, 3, 4, 5, 6], n_kept=0)
+
+
+def test_the_budget_gives_whole_entries_per_group_within_llama_cpps_sequence_bound():
+    assert n_entries_for(100 << 20, 10 << 20, n_groups=2, n_slots_per_group=4) == 5
+    assert n_entries_for(0, 10 << 20, 2, 4) == 0
+    assert n_entries_for(1 << 40, 1, 1, 8) == LLAMA_MAX_SEQ - 8
+
+
+# ---- on the engine ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conversations_beyond_the_slots_reuse_their_history_and_the_text_does_not_change(make_engine, groups):
+    # 2 slots a group and 2 entries: 3 conversations a group fit without an eviction
+    n_conv = 3 * groups
+    on = make_engine(n_parallel=2 * groups, pipeline_groups=groups, n_ctx=2048 * groups)
+    off = make_engine(n_parallel=2 * groups, pipeline_groups=groups, n_ctx=2048 * groups, prompt_cache_mib=0)
+    assert on.n_kept == 2 and off.n_kept == 0
+    got, reuse = chat(on, n_conv, 3)
+    ref, reuse_off = chat(off, n_conv, 3)
+    assert got == ref
+    # every returning turn took its whole history back (all but the last answer token, never
+    # decoded) and evaluated only its new message
+    assert all(cached >= before - 1 for cached, before, _ in reuse), reuse
+    # without the cache only the shared system prompt comes back
+    assert max(c for c, _, _ in reuse_off) <= len(SYSTEM) + 1
+    stats = cache_stats(on)
+    assert sum(s.hits for s in stats) >= (n_conv * 2) - 2 * groups  # the rest were still in their slots
+    assert sum(s.evictions for s in stats) == 0
+    assert all(v.state == "idle" for v in on.slot_views()) and on.scheduler.counts() == (0, 0)
+    if groups == 2:
+        # each returning turn went where its history was: what another group held and was
+        # evaluated again (said in the metrics) is at most a new conversation's system prompt
+        sched = on.scheduler
+        assert sched.n_elsewhere_tokens <= sched.n_elsewhere * len(SYSTEM), (sched.n_elsewhere, sched.n_elsewhere_tokens)
+
+
+def test_a_cache_smaller_than_the_conversations_evicts_and_nothing_fails(make_engine):
+    # one slot and one entry: a single conversation fits, four come back in turn
+    e = make_engine(n_parallel=1, n_ctx=1024, prompt_cache_mib=3)  # 2 MiB an entry
+    ref = make_engine(n_parallel=1, n_ctx=1024, prompt_cache_mib=0)
+    assert e.n_kept == 1
+    got, reuse = chat(e, 4, 3)
+    assert got == chat(ref, 4, 3)[0]
+    (s,) = cache_stats(e)
+    assert s.evictions > 0 and s.saves > 0
+    # every returning turn still got at least the shared system prompt
+    assert all(c >= len(SYSTEM) for c, _, _ in reuse)
+    assert e.healthy and e.scheduler.counts() == (0, 0)
+
+
+def test_the_prompt_cache_is_off_where_slots_cannot_share_kv(make_engine):
+    e = make_engine(n_parallel=2, n_ctx=1024, share_prefix=False)
+    assert e.n_kept == 0 and not cache_stats(e)
+
+
+def test_the_metrics_show_the_cache(make_engine):
+    from observability.metrics import EngineMetrics
+
+    e = make_engine(n_parallel=1, n_ctx=2048)
+    chat(e, 2, 2)
+    m = EngineMetrics("m")
+    m.collect_engine(e, 0, 0)
+    text = m.render().decode()
+
+    def value(name: str) -> float:
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"pgroups_{name}{{"))
+        return float(line.rsplit(" ", 1)[1])
+
+    (s,) = cache_stats(e)
+    assert value("prompt_cache_capacity_entries") == 1
+    assert value("prompt_cache_hits_total") == s.hits > 0
+    assert value("prompt_cache_reused_tokens_total") == s.reused > 0
+    assert value("prompt_cache_saves_total") == s.saves > 0
+    assert value("prompt_cache_tokens") == s.tokens > 0
+    assert value("prompt_cache_bytes") > 0
+
+
+def restore_cost(make_engine, rpc_endpoint: str, n_history: int) -> tuple[int, int]:
+    """Bytes over the link of a returning turn whose history (``n_history`` tokens of user text)
+    is restored from the prompt cache, less those of the same turn continuing its own slot; and
+    the bytes of that history's KV on the peer."""
+    host, port = rpc_endpoint.rsplit(":", 1)
+    meter = LinkMeter((host, int(port)))
+    e = make_engine(n_parallel=2, n_ctx=8192, rpc_endpoints=[meter.endpoint])
+    try:
+        hist = SYSTEM + user(0, 0, n_history)
+
+        def turn(prompt: list[int], slot: int) -> tuple[int, object, list[int]]:
+            b0 = meter.read()
+            _, toks, fin = run(e, prompt, id_slot=slot)
+            return meter.read() - b0, fin, toks
+
+        _, _, a_ans = turn(hist, 0)  # conversation A on slot 0
+        turn(SYSTEM[:8] + user(1, 0, n_history), 0)  # B takes slot 0: A is saved into the cache
+        # A comes back on slot 1: its history is restored from the cache
+        restored, fin_a, _ = turn(hist + a_ans + user(0, 1), 1)
+        assert fin_a.cached_tokens >= len(hist) + len(a_ans) - 1
+        # the same turn where the history is still in its own slot: no restore
+        c_hist = SYSTEM[:8] + user(2, 0, n_history + 56)
+        _, _, c_ans = turn(c_hist, 0)
+        own, fin_c, _ = turn(c_hist + c_ans + user(2, 1), 0)
+        assert fin_c.cached_tokens == fin_a.cached_tokens
+        (s,) = cache_stats(e)
+        assert s.hits == 1
+        per_token = sum(b for d, b in e.kv_bytes_per_token().items() if d.startswith("RPC"))
+        return restored - own, per_token * fin_a.cached_tokens
+    finally:
+        e.close()  # a lost RPC connection aborts the process: the engine goes first
+        meter.close()
+
+
+def test_on_the_split_a_restore_sends_commands_over_the_link_not_the_kv(make_engine, rpc_endpoint):
+    short, kv_short = restore_cost(make_engine, rpc_endpoint, 400)
+    long, kv_long = restore_cost(make_engine, rpc_endpoint, 1600)
+    # a state read (llama_state_seq_get_data) would bring the peer's KV across, growing with
+    # the history; the copy inside the peer costs the same few commands at any length
+    assert kv_long > 3 * kv_short
+    assert max(short, long) < kv_short / 10, (short, long, kv_short, kv_long)
+    assert abs(long - short) < kv_short / 20, (short, long)
+
+
+def test_entries_tokens_reach_the_scheduler(make_engine):
+    e = make_engine(n_parallel=1, n_ctx=2048)
+    run(e, SYSTEM + user(0, 0))
+    run(e, user(1, 0))  # takes the slot: the first conversation is saved
+    kept = e.scheduler._kept[0]
+    assert len(kept) == 1 and np.array_equal(kept[0][: len(SYSTEM)], SYSTEM)
