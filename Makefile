@@ -31,7 +31,7 @@ FLAGS_ID := $(shell echo '$(WHEEL_CMAKE_FLAGS)' | md5sum | cut -c1-8)
 WHEEL_DIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)-$(FLAGS_ID)
 STAMP := $(VENV)/.installed-$(LLAMA_VARIANT)-$(FLAGS_ID)
 
-.PHONY: install wheel model model-synthetic browser serve test test-fast test-cluster lint docs bench bench-spec bench-prefix bench-long bench-host bench-bodies bench-faults bench-scale llama-server cluster-up cluster-down clean
+.PHONY: install wheel model model-synthetic browser serve test test-fast test-cluster lint docs bench bench-spec bench-prefix bench-long bench-chat bench-host bench-bodies bench-faults bench-scale llama-server cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -126,6 +126,10 @@ bench-prefix: install model-synthetic llama-server
 # A long prompt beside 8 decoding streams: their token gaps during its prefill (bench/long_prompt.py)
 bench-long: install model llama-server
 	LLAMA_SERVER_BIN=$(LLAMA_SERVER_DIR) $(PY) -m bench.long_prompt $(BENCH_ARGS)
+
+# Conversations and an agent loop over few slots: history computed again, against llama-server's RAM cache (bench/chat.py, ~25 minutes)
+bench-chat: install model llama-server
+	LLAMA_SERVER_BIN=$(LLAMA_SERVER_DIR) $(PY) -m bench.chat $(BENCH_ARGS)
 
 # Where the host path's CPU goes: the two-group cell with the in-process stack sampler (bench/host_profile.py)
 bench-host: install

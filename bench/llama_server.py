@@ -42,7 +42,9 @@ def split_args(n_layer: int, n_peer: int, output_local: bool) -> list[str]:
 class LlamaServer:
     def __init__(self, model: Path, *, n_layer: int, n_peer: int, output_local: bool, slots: int, n_ctx: int,
                  port: int, rpc_port: int, peer_cpus: list[int] | None = None,
-                 local_cpus: list[int] | None = None, flash_attn: str = "auto", threads: int = 1) -> None:
+                 local_cpus: list[int] | None = None, flash_attn: str = "auto", threads: int = 1,
+                 cache_ram_mib: int = 0) -> None:
+        """``cache_ram_mib``: llama-server's ``--cache-ram`` (its prompt cache in host RAM; 0 off)."""
         b = bin_dir()
         self.rpc = subprocess.Popen(
             [*_taskset(peer_cpus), str(b / "rpc-server"), "--host", "127.0.0.1", "--port", str(rpc_port), "-t", str(threads)],
@@ -50,7 +52,7 @@ class LlamaServer:
         _wait(lambda: port_listening(rpc_port), self.rpc, "rpc-server")
         split = split_args(n_layer, n_peer, output_local)
         self.cmd = [*_taskset(local_cpus), str(b / "llama-server"), "-m", str(model), "--rpc", f"127.0.0.1:{rpc_port}",
-                    *split, "-np", str(slots), "-c", str(n_ctx), "-t", str(threads), "--cache-ram", "0",
+                    *split, "-np", str(slots), "-c", str(n_ctx), "-t", str(threads), "--cache-ram", str(cache_ram_mib),
                     "--host", "127.0.0.1", "--port", str(port), "--no-webui", "--metrics", "-fa", flash_attn]
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.base = f"http://127.0.0.1:{port}"

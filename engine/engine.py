@@ -31,7 +31,7 @@ from engine.grammar import GrammarCompiler, GrammarDeadEnd
 from engine.group import CancelMsg, PipelineGroup, SlotBusyError, SlotOpMsg, StartMsg
 from engine.mtp import require_mtp
 from engine.native import Model, add_rpc_server, local_device_name
-from engine.prefix import sharing_on
+from engine.prefix import cache_on, sharing_on
 from engine.prompt_cache import LLAMA_MAX_SEQ, n_entries_for
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
@@ -116,6 +116,8 @@ class Engine:
             self.groups: list[PipelineGroup] = []
             per = config.n_slots_per_group
             self.slots = [Slot(id=i, group=i // per, seq_id=i % per) for i in range(config.n_parallel)]
+            self.entry_bytes = 0
+            self.n_kept = self._cache_entries()
             self.scheduler = Scheduler(
                 [s.view() for s in self.slots],
                 dispatch=lambda g, r: self.groups[g].inbox.put(StartMsg(r)),
@@ -123,7 +125,7 @@ class Engine:
                 sink=self._sink,
                 max_queued=config.max_queued_requests,
                 similarity=config.slot_prompt_similarity,
-                share_prefix=sharing_on(config, self.model),
+                share_prefix=sharing_on(config, self.model) or self.n_kept > 0,
                 share_min=config.share_min_tokens,
                 max_queued_per_slot=config.max_queued_per_slot,
                 long_prompt=config.prefill_long_tokens,
@@ -133,8 +135,6 @@ class Engine:
             self.prefill = PrefillBudget(config.pipeline_groups, config.prefill_gap_factor, config.prefill_min_rate,
                                          config.prefill_chunk_min, config.prefill_beside_short,
                                          burst_step_s=config.prefill_burst_step_s)
-            self.entry_bytes = 0
-            self.n_kept = self._cache_entries()
             for g in range(config.pipeline_groups):
                 group = PipelineGroup(g, self.model, self.tokenizer, config, self.slots[g * per : (g + 1) * per],
                                       self._sink, self.scheduler.release, draft_model=self.draft_model,
@@ -172,7 +172,7 @@ class Engine:
         """Entries of each group's prompt cache: what ``prompt_cache_mib`` holds of slot-sized
         KV sequences over every stage (none where slots cannot share KV)."""
         cfg = self.config
-        if not sharing_on(cfg, self.model) or cfg.prompt_cache_mib == 0:
+        if not cache_on(cfg):
             return 0
         self.entry_bytes = read_shape(cfg.model).kv_bytes(cfg.n_ctx_per_group // cfg.n_slots_per_group)
         if cfg.prompt_cache_mib is None:

@@ -295,8 +295,13 @@ class PipelineGroup:
         outs = got.outputs
         for s, end in got.endings:  # the group frees their slots
             outs.append(self._finish(s, end.reason, end.text, **end.figures))
+        kept = self.prefix.kept
+        n_saves = kept.n_saves if kept else 0
         for s in got.began:  # published once (/slots, the page)
+            self.prefix.checkpoint(s, self.slots)
             self.on_release(s.view(), False)
+        if kept and kept.n_saves != n_saves and self.on_kept is not None:
+            self.on_kept(self.index, kept.views())
         self._publish_load()
         # the step's figures are published before its outputs leave, so whoever reads an output
         # finds the step that made it counted; the send's own time goes to the next snapshot

@@ -17,7 +17,10 @@ their behalf. A new prompt reuses, in this order of preference:
 What may be reused is bounded by the model: a sliding-window model keeps only the last
 ``n_swa`` positions in its window layers, so a prefix is reusable only while the positions it
 attends over are still there (``window_holds``); a recurrent or hybrid model's state cannot be
-cut at a position, so it shares nothing and reuses only what llama.cpp can keep.
+cut at a position, so its slots share nothing and it takes a prompt cache entry back only whole
+(``whole_only``). For both, the prompt cache keeps a checkpoint of a slot's state at the end of
+its prompt (``checkpoint``): the next turn of a chat whose template renders the last answer
+otherwise (a reasoning model dropping its thinking) goes on from there, not from nothing.
 
 The scheduler sees the same facts from outside (the slots' published cached tokens and the
 prompts it handed out): ``group_prefixes`` tells it how much of a prompt each group already
@@ -72,6 +75,11 @@ def keep_prefix(ctx: Context, n_swa: int, seq_id: int, cached: list[int], n_keep
     return n_keep
 
 
+def cache_on(config: EngineConfig) -> bool:
+    """Whether an engine keeps a prompt cache beyond its slots (engine/prompt_cache.py)."""
+    return config.share_prefix and config.cache_prompt and config.prompt_cache_mib != 0
+
+
 def sharing_on(config: EngineConfig, model: Model) -> bool:
     """Whether an engine's slots share prefixes: asked for, with prompt caching, and a model
     whose state can be cut at a position (not recurrent or hybrid)."""
@@ -97,9 +105,13 @@ class PrefixCache:
     """The KV prefix of one group's sequences (its thread only)."""
 
     def __init__(self, ctx: Context, *, n_swa: int, unified: bool, shareable: bool, share_min: int,
-                 kept: PromptCache | None = None) -> None:
+                 kept: PromptCache | None = None, whole_only: bool = False, checkpoints: bool = False) -> None:
+        """``whole_only``: the state cannot be cut (recurrent); ``checkpoints``: keep a copy of
+        each prompt's state at its end (models that cannot reuse any prefix of a longer KV)."""
         self.ctx = ctx
-        self.kept = kept if kept is not None and len(kept) and shareable else None
+        self.kept = kept if kept is not None and len(kept) else None
+        self.whole_only = whole_only
+        self.checkpoints = checkpoints and self.kept is not None
         self.n_swa = n_swa
         self.unified = unified  # one KV stream: a copy is metadata, and may take a range
         self.shareable = shareable  # not for recurrent or hybrid models
@@ -116,14 +128,18 @@ class PrefixCache:
         p = np.asarray(prompt, np.int32)
         cap = len(prompt) - 1
         n_own = min(_lcp(slot.cache_tokens, p), cap) if own and slot.cache_tokens else 0
+        if n_own and not self._can_keep(slot, n_own):
+            n_own = 0  # what the slot holds cannot be cut back there: a window dropped it, or a recurrent state
         best = Reuse(own=n_own)
-        if not (share and self.shareable) or cap <= 0:
+        if not share or cap <= 0:
             return best
         need = n_own + self.share_min
-        for o in [*others, *(self.kept.held() if self.kept else ())]:
+        for o in [*(others if self.shareable else ()), *(self.kept.held() if self.kept else ())]:
             if o is slot or o.leader is not None:
                 continue  # a follower's KV is its leader's to give
             n = min(_lcp(o.cache_tokens, p), cap) if o.cache_tokens else 0
+            if self.whole_only and n != len(o.cache_tokens):
+                continue
             if n >= need and n > best.n and window_holds(self.ctx, self.n_swa, o.seq_id, n):
                 best = Reuse(own=n_own, source=o, shared=n, ready=True)
             if o.req is not None and o.n_prompt_done < len(o.req.prompt_tokens):
@@ -132,6 +148,11 @@ class PrefixCache:
                 if m >= need and m >= best.n + self.share_min:
                     best = Reuse(own=n_own, source=o, shared=m, ready=o.n_prompt_done >= m)
         return best
+
+    def _can_keep(self, slot: Slot, n: int) -> bool:
+        if self.whole_only and n != len(slot.cache_tokens):
+            return False
+        return window_holds(self.ctx, self.n_swa, slot.seq_id, n)
 
     def due(self, waiter: Slot) -> bool:
         """Whether the prefix a waiting slot takes from its leader is in the leader's KV."""
@@ -161,7 +182,20 @@ class PrefixCache:
         kept = self.kept
         if kept is None or not kept.worth_saving(slot.cache_tokens, n_keep):
             return False
-        busy = set(self.pending.values())  # read by copies not yet made
+        return self._store(slot, slots, source)
+
+    def checkpoint(self, slot: Slot, slots: list[Slot] = ()) -> bool:
+        """The slot's prompt is complete (its first token sampled, not yet in its KV): keep a
+        copy of its state at this position, where the model cannot go back to it otherwise."""
+        if not self.checkpoints or not self.kept.worth_saving(slot.cache_tokens, 0):
+            return False
+        return self._store(slot, slots)
+
+    def _store(self, slot: Slot, slots: list[Slot], source: Slot | None = None) -> bool:
+        """Copy all the slot's KV into a prompt cache entry (never ``source``'s, about to be
+        read, nor one a queued copy reads)."""
+        kept = self.kept
+        busy = set(self.pending.values())
         if source is not None:
             busy.add(source.seq_id)
         entry, evicted = kept.victim(slot.cache_tokens, busy, [o.cache_tokens for o in slots if o is not slot])

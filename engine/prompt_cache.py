@@ -13,6 +13,11 @@ bookkeeping and chooses which entry a save overwrites:
   for at most ``slack`` at their end, a prefix of the other's, else
 - the least recently used (an eviction).
 
+Where the model cannot take back a prefix of a longer state (a recurrent state, or a sliding
+window that dropped it: ``exact``), an entry is redundant only where another holds exactly its
+tokens; a checkpoint that a longer state of its conversation continues goes before the least
+recently used, since it serves only a turn that renders the history otherwise.
+
 A save comes before the restore that replaces the slot's KV, so it cannot overwrite the entry
 being restored; that entry is the next save's first choice instead. So a group with ``n``
 slots and ``m`` entries keeps ``n + m - 1`` conversations without evicting any.
@@ -68,12 +73,17 @@ class CacheStats:
 class PromptCache:
     """The entries of one group (its thread only)."""
 
-    def __init__(self, group: int, first_seq_id: int, n_entries: int, *, min_tokens: int, slack: int) -> None:
+    def __init__(self, group: int, first_seq_id: int, n_entries: int, *, min_tokens: int, slack: int,
+                 exact: bool = False) -> None:
+        """``exact``: the model cannot take back a prefix of a longer entry (a recurrent state,
+        or a sliding window that dropped it), so an entry is redundant only where another holds
+        exactly its tokens, and no slack applies."""
         # an entry is a slot that never runs a request: the prefix cache's copies take it as
         # they take any other sequence of the group
         self.entries = [Slot(id=-(i + 1), group=group, seq_id=first_seq_id + i) for i in range(n_entries)]
         self.min_tokens = max(1, min_tokens)  # fewer tokens than this are not worth an entry
-        self.slack = slack
+        self.slack = 0 if exact else slack
+        self.exact = exact
         self.n_saves = self.n_hits = self.n_reused = self.n_evictions = 0
 
     def __len__(self) -> int:
@@ -88,8 +98,8 @@ class PromptCache:
         if not self.entries or len(tokens) - n_kept < self.min_tokens:
             return False
         t = np.asarray(tokens, np.int32)
-        return not any(len(e.cache_tokens) >= len(t) and common_prefix(np.asarray(e.cache_tokens, np.int32), t) == len(t)
-                       for e in self.entries)
+        return not any((len(e.cache_tokens) == len(t) if self.exact else len(e.cache_tokens) >= len(t))
+                       and common_prefix(np.asarray(e.cache_tokens, np.int32), t) == len(t) for e in self.entries)
 
     def victim(self, tokens: list[int], exclude: set[int], slots: list[list[int]] = ()) -> tuple[Slot | None, bool]:
         """The entry a save of ``tokens`` overwrites, and whether that evicts a conversation;
@@ -103,12 +113,18 @@ class PromptCache:
             return empty, False
         newer = [np.asarray(x, np.int32) for x in (tokens, *slots) if len(x)]
 
-        def superseded(e: Slot) -> bool:
+        def superseded(e: Slot, strict: bool) -> bool:
             n = len(e.cache_tokens)
             mine = np.asarray(e.cache_tokens, np.int32)
-            return any(common_prefix(mine, t) >= max(1, n - self.slack) for t in newer)
+            return any(common_prefix(mine, t) >= max(1, n - self.slack) and (len(t) == n or not strict)
+                       for t in newer)
 
-        old = [e for e in free if superseded(e)]
+        old = [e for e in free if superseded(e, self.exact)]
+        if not old and self.exact:
+            # a checkpoint that a later state of its conversation continues: worth less than a
+            # conversation of its own (it serves only a turn that renders the history otherwise)
+            newer += [np.asarray(e.cache_tokens, np.int32) for e in self.entries if e.cache_tokens]
+            old = [e for e in free if any(len(t) > len(e.cache_tokens) for t in newer) and superseded(e, False)]
         if old:
             return min(old, key=lambda e: e.last_used), False
         return min(free, key=lambda e: e.last_used), True

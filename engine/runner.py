@@ -80,12 +80,15 @@ class Runner:
         self.batch = Batch(n_batch)
         self.n_ctx_slot = self.ctx.n_ctx_seq
         self.n_ubatch = self.ctx.n_ubatch
+        # a recurrent state cannot go back to a position, nor a sliding window to one it dropped
+        cuttable = not model.recurrent and (model.n_swa == 0 or config.swa_full)
         # with MTP, every KV operation of the prefix cache applies to the MTP context too
         self.prefix = PrefixCache(self.mtp.kv if self.mtp else self.ctx, n_swa=model.n_swa, unified=config.kv_unified,
                                   shareable=sharing_on(config, model),
                                   share_min=config.share_min_tokens,
                                   kept=PromptCache(index, n_seq, n_kept, min_tokens=config.share_min_tokens,
-                                                   slack=config.share_min_tokens))
+                                                   slack=config.share_min_tokens, exact=not cuttable),
+                                  whole_only=model.recurrent, checkpoints=not cuttable)
         # when the decode in progress began (time.monotonic), 0.0 between decodes: a decode
         # that never returns (a frozen peer) is seen from outside by this
         self.decode_since = 0.0

@@ -108,7 +108,8 @@ def choose_slot(
 
         least = min(cost(v) for v in idle)
         near = [v for v in idle if cost(v) <= least + (1 - NEAR_PREFIX) * n]
-        return min(near, key=lambda v: (load(v, start(v)), cost(v), (kept or {}).get(v.group, 0), *rest(v)))
+        return min(near, key=lambda v: (load(v, start(v)), cost(v), (kept or {}).get(v.group, 0), -lcp[v.id],
+                                        *rest(v)))
     if enough(best_held):
         def weighed(v: SlotView) -> tuple:
             h = in_group[v.group]
