@@ -233,6 +233,70 @@ def write_model(path: str | os.PathLike[str], shape: ModelShape = ModelShape()) 
     return finish(w, tmp, out)
 
 
+def write_hybrid_model(path: str | os.PathLike[str], shape: ModelShape = ModelShape(), attn_every: int = 4) -> Path:
+    """A hybrid model of the ``lfm2`` architecture: every ``attn_every``-th layer attention, the
+    others short-convolution layers with a recurrent state (llama.cpp's hybrid memory: a KV
+    cache for the first, a state that cannot be cut at a position for the second), as Qwen3.5
+    puts three Gated DeltaNet layers before each attention layer. f16 weights, the synthetic
+    vocabulary and chat template, peaked logits."""
+    import gguf
+
+    if shape.n_embd % shape.n_head or shape.n_head % shape.n_head_kv:
+        raise ValueError("n_embd must divide by n_head and n_head by n_head_kv")
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    rng = np.random.default_rng(shape.seed)
+    e, head_dim = shape.n_embd, shape.n_embd // shape.n_head
+    attn = [i % attn_every == attn_every - 1 for i in range(shape.n_layer)]
+    l_cache = 3
+    w = gguf.GGUFWriter(str(tmp), "lfm2")
+    w.add_name(f"synthetic-lfm2-{shape.n_layer}L-{e}d-{shape.n_vocab}v")
+    w.add_context_length(shape.n_ctx_train)
+    w.add_embedding_length(e)
+    w.add_block_count(shape.n_layer)
+    w.add_feed_forward_length(shape.n_ff)
+    w.add_head_count(shape.n_head)
+    w.add_head_count_kv([shape.n_head_kv if a else 0 for a in attn])
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_shortconv_l_cache(l_cache)
+    w.add_vocab_size(shape.n_vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    write_tokenizer(w, shape)
+
+    def matrix(name: str, rows: int, cols: int, scale: float) -> None:
+        w.add_tensor(name, (rng.standard_normal((rows, cols), dtype=np.float32) * scale).astype(np.float16))
+
+    def ones(name: str, n: int) -> None:
+        w.add_tensor(name, np.ones(n, dtype=np.float32))
+
+    matrix("token_embd.weight", shape.n_vocab, e, 1.0)
+    for i in range(shape.n_layer):
+        ones(f"blk.{i}.attn_norm.weight", e)
+        if attn[i]:
+            kv = head_dim * shape.n_head_kv
+            ones(f"blk.{i}.attn_q_norm.weight", head_dim)
+            ones(f"blk.{i}.attn_k_norm.weight", head_dim)
+            matrix(f"blk.{i}.attn_q.weight", e, e, 1.0 / np.sqrt(e))
+            matrix(f"blk.{i}.attn_k.weight", kv, e, 1.0 / np.sqrt(e))
+            matrix(f"blk.{i}.attn_v.weight", kv, e, 1.0 / np.sqrt(e))
+            matrix(f"blk.{i}.attn_output.weight", e, e, 0.5 / np.sqrt(e))
+        else:
+            # the convolution's kernel stays f32 (ggml's ssm_conv takes no other type)
+            w.add_tensor(f"blk.{i}.shortconv.conv.weight",
+                         (rng.standard_normal((e, l_cache), dtype=np.float32) / np.sqrt(l_cache)).astype(np.float32))
+            matrix(f"blk.{i}.shortconv.in_proj.weight", 3 * e, e, 1.0 / np.sqrt(e))
+            matrix(f"blk.{i}.shortconv.out_proj.weight", e, e, 0.5 / np.sqrt(e))
+        ones(f"blk.{i}.ffn_norm.weight", e)
+        matrix(f"blk.{i}.ffn_gate.weight", shape.n_ff, e, 1.0 / np.sqrt(e))
+        matrix(f"blk.{i}.ffn_up.weight", shape.n_ff, e, 1.0 / np.sqrt(e))
+        matrix(f"blk.{i}.ffn_down.weight", e, shape.n_ff, 0.5 / np.sqrt(shape.n_ff))
+    ones("token_embd_norm.weight", e)  # lfm2's name for the output norm
+    matrix("output.weight", shape.n_vocab, e, 8.0 / np.sqrt(e))
+    return finish(w, tmp, out)
+
+
 def random_q4_k(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.ndarray:
     """Q4_K blocks (256 weights in 144 bytes: fp16 d and dmin, twelve bytes of 6-bit scales and
     mins, 128 bytes of 4-bit quants) of random scales and quants, as the byte array GGUFWriter

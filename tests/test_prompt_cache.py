@@ -214,3 +214,47 @@ def test_entries_tokens_reach_the_scheduler(make_engine):
     run(e, user(1, 0))  # takes the slot: the first conversation is saved
     kept = e.scheduler._kept[0]
     assert len(kept) == 1 and np.array_equal(kept[0][: len(SYSTEM)], SYSTEM)
+
+
+# ---- a hybrid model: attention layers and recurrent ones (Qwen3.5's shape) -------------------------
+
+@pytest.fixture(scope="module")
+def hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from engine.synthetic_model import ModelShape, write_hybrid_model
+
+    # three short-convolution layers (a recurrent state) before each attention layer
+    return str(write_hybrid_model(tmp_path_factory.mktemp("hybrid") / "hybrid.gguf", ModelShape(n_layer=8)))
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_hybrid_model_keeps_its_conversations_and_rolls_back_to_a_checkpoint(make_engine, hybrid_model,
+                                                                               rpc_endpoint, split):
+    remote = {"rpc_endpoints": [rpc_endpoint], "peer_layers": 4} if split else {}
+    # 2 slots and 6 entries of 8 MiB: three conversations' last states and their prompts' checkpoints
+    on = make_engine(model=hybrid_model, n_parallel=2, n_ctx=2048, prompt_cache_mib=48, **remote)
+    off = make_engine(model=hybrid_model, n_parallel=2, n_ctx=2048, prompt_cache_mib=0, **remote)
+    assert on.model.recurrent and on.n_kept == 6 and not on.groups[0].prefix.shareable
+    got, reuse = chat(on, 3, 3)
+    ref, reuse_off = chat(off, 3, 3)
+    assert got == ref
+    # a recurrent state is taken back whole: each returning turn continues its last state
+    assert all(cached >= before - 1 for cached, before, _ in reuse), reuse
+    assert all(cached == 0 for cached, _, _ in reuse_off), reuse_off
+    # a turn that renders the last answer otherwise goes on from the checkpoint at its prompt's end
+    first = SYSTEM + user(9, 0)
+    _, answer, _ = run(on, first)
+    rerendered = first + answer[3:] + user(9, 1)
+    text, _, fin = run(on, rerendered)
+    assert fin.cached_tokens == len(first)
+    run(off, first)
+    ref_text, _, ref_fin = run(off, rerendered)
+    assert ref_fin.cached_tokens == 0 and text == ref_text
+
+
+def test_a_hybrid_model_under_pressure_evicts_and_nothing_fails(make_engine, hybrid_model):
+    e = make_engine(model=hybrid_model, n_parallel=1, n_ctx=1024, prompt_cache_mib=12)  # one entry of 8 MiB
+    ref = make_engine(model=hybrid_model, n_parallel=1, n_ctx=1024, prompt_cache_mib=0)
+    assert e.n_kept == 1
+    assert chat(e, 3, 3)[0] == chat(ref, 3, 3)[0]
+    (s,) = cache_stats(e)
+    assert s.evictions > 0 and e.healthy and e.scheduler.counts() == (0, 0)
