@@ -75,6 +75,8 @@ class Result:
     turns: list[Turn] = field(default_factory=list)
     agent: list[Turn] = field(default_factory=list)
     agent_wall_s: float = 0.0
+    retries: int = 0  # requests sent again after the server closed a kept-alive connection
+    cache: dict = field(default_factory=dict)  # this project's prompt cache counters after the chat
 
 
 def ask(client: httpx.Client, messages: list[dict], max_tokens: int) -> tuple[str, float, dict]:
@@ -119,18 +121,27 @@ def figures(final: dict) -> tuple[int, int, int, int]:
 
 
 def conversation(client: httpx.Client, i: int, n_turns: int, answer: int, system: str, out: list[Turn],
-                 lock: threading.Lock) -> None:
+                 lock: threading.Lock, retries: list[int]) -> None:
     rng = random.Random(1000 + i)
     messages = [{"role": "system", "content": system}]
     history = 0
     for k in range(n_turns):
         messages.append({"role": "user", "content": f"Question {k + 1} of conversation {i}: " + text(rng, 150)})
-        try:
-            reply, ttft, final = ask(client, messages, answer)
-        except Exception as e:  # a lost conversation is reported, not retried
-            with lock:
-                out.append(Turn(i, k, 0.0, 0, 0, 0, history, 0, error=str(e)[:200]))
-            return
+        for attempt in range(3):
+            try:
+                reply, ttft, final = ask(client, messages, answer)
+                break
+            except httpx.RemoteProtocolError:
+                # a server closed a kept-alive connection as the request went out (llama-server
+                # does): sent again on a new one, as clients do; counted
+                with lock:
+                    retries[0] += 1
+                if attempt == 2:
+                    raise
+            except Exception as e:  # a lost conversation is reported, not retried
+                with lock:
+                    out.append(Turn(i, k, 0.0, 0, 0, 0, history, 0, error=str(e)[:200]))
+                return
         sent, evaluated, reused, n_answer = figures(final)
         with lock:
             out.append(Turn(i, k, ttft, sent, evaluated, reused, history, n_answer))
@@ -138,20 +149,21 @@ def conversation(client: httpx.Client, i: int, n_turns: int, answer: int, system
         history = sent + n_answer
 
 
-def chat_cell(base: str, n_conv: int, n_turns: int, answer: int) -> tuple[list[Turn], float]:
+def chat_cell(base: str, n_conv: int, n_turns: int, answer: int) -> tuple[list[Turn], float, int]:
     system = "You are a careful assistant for a team that runs language models on two machines. " + text(
         random.Random(7), 160)
     out: list[Turn] = []
     lock = threading.Lock()
+    retries = [0]
     with httpx.Client(base_url=base, timeout=1800, limits=httpx.Limits(max_connections=n_conv + 4)) as client:
         t0 = time.monotonic()
-        threads = [threading.Thread(target=conversation, args=(client, i, n_turns, answer, system, out, lock))
+        threads = [threading.Thread(target=conversation, args=(client, i, n_turns, answer, system, out, lock, retries))
                    for i in range(n_conv)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        return out, time.monotonic() - t0
+        return out, time.monotonic() - t0, retries[0]
 
 
 def agent_cell(base: str, n_steps: int) -> tuple[list[Turn], float]:
@@ -171,6 +183,25 @@ def agent_cell(base: str, n_steps: int) -> tuple[list[Turn], float]:
             messages += [{"role": "assistant", "content": reply},
                          {"role": "user", "content": f"Tool result {k + 1}: " + text(rng, 220)}]
         return out, time.monotonic() - t0
+
+
+CACHE_SERIES = ("hits", "reused_tokens", "saves", "evictions", "elsewhere_requests", "elsewhere_tokens")
+
+
+def cache_figures(base: str) -> dict[str, float]:
+    """This project's prompt cache counters, summed over groups (none from llama-server)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    r = httpx.get(base + "/metrics", timeout=30)
+    if r.status_code != 200:
+        return out
+    for fam in text_string_to_metric_families(r.text):
+        for smp in fam.samples:
+            name = smp.name.removeprefix("pgroups_prompt_cache_").removesuffix("_total")
+            if smp.name.startswith("pgroups_prompt_cache_") and name in CACHE_SERIES:
+                out[name] = out.get(name, 0.0) + smp.value
+    return out
 
 
 def ours(cache: dict | None = None) -> tuple[str, Callable[[], None]]:
@@ -219,6 +250,7 @@ def summary(r: Result) -> dict:
     return {
         "server": r.server,
         "conversations_lost": len({t.conversation for t in r.turns if t.error}),
+        "retries": r.retries,
         "prompt_evaluated": sum(t.evaluated for t in ok),
         "prompt_sent": sum(t.prompt_sent for t in ok),
         # of what a returning turn resent (the previous prompt and its answer), the share reused
@@ -229,16 +261,17 @@ def summary(r: Result) -> dict:
         "agent_step_ttft_s": [round(s, 2) for s in steps],
         "agent_evaluated": [t.evaluated for t in r.agent],
         "agent_wall_s": round(r.agent_wall_s, 1),
+        "prompt_cache": r.cache,
     }
 
 
 def tables(rows: list[dict], meta: dict) -> str:
     head = ["| server | prompt tokens computed / sent | history reused (turns 2+) | first token, turns 2+ (median) "
-            "| first token by turn (median, s) | whole run | lost |", "|---|---|---|---|---|---|---|"]
+            "| first token by turn (median, s) | whole run | lost (resent) |", "|---|---|---|---|---|---|---|"]
     for s in rows:
         bt = " / ".join(f"{v['ttft_median_s']}" for v in s["by_turn"].values())
         head.append(f"| {s['server']} | {s['prompt_evaluated']:,} / {s['prompt_sent']:,} | {s['history_reused']} | "
-                    f"{s['later_ttft_median_s']} s | {bt} | {s['wall_s']} s | {s['conversations_lost']} |")
+                    f"{s['later_ttft_median_s']} s | {bt} | {s['wall_s']} s | {s['conversations_lost']} ({s['retries']}) |")
     head += ["", "Agent loop (one client; a tool result of ~300 tokens appended a step): first token a step, s, "
              "and prompt tokens computed a step", "", "| server | step first tokens | computed a step | whole loop |",
              "|---|---|---|---|"]
@@ -270,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             r = Result(name)
-            r.turns, r.wall_s = chat_cell(base, a.conversations, a.turns, a.answer)
+            r.turns, r.wall_s, r.retries = chat_cell(base, a.conversations, a.turns, a.answer)
+            r.cache = cache_figures(base)
             r.agent, r.agent_wall_s = agent_cell(base, a.steps)
         finally:
             close()

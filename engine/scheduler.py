@@ -275,7 +275,9 @@ class Scheduler:
         """The waiting request to start now, of those that fit (a request waiting for several
         slots of one group holds back the ones behind it until they are free): one passed over
         ``aging`` times, the oldest first; else the one with the fewest prompt tokens to
-        evaluate, the oldest among equals. Those before it are passed over once more."""
+        evaluate, the oldest among equals. Those before it are passed over once more, but for
+        those whose prompt another group holds clearly more of (in a slot or its prompt cache):
+        they wait for that group's slots."""
         fit: list[Request] = []
         for r in islice(self._waiting.values(), ADMIT_WINDOW):
             if not self._fits(r):
@@ -283,16 +285,26 @@ class Scheduler:
             fit.append(r)
         if len(fit) <= 1 or self.aging <= 0:
             return fit[0] if fit else None
+        # what the free slots would reuse: their own KV, or their group's prompt cache
+        groups = {self._views[i].group for i in self._idle}
+        cached = [self._views[i].cached_tokens for i in self._idle] + [
+            t for g in groups for t in self._kept.get(g, ())]
+        here = {r.id: to_evaluate(r.prompt_tokens, cached) for r in fit}
         chosen = next((r for r in fit if self._passed.get(r.id, 0) >= self.aging), None)
         if chosen is None:
-            # what the free slots would reuse: their own KV, or their group's prompt cache
-            groups = {self._views[i].group for i in self._idle}
-            cached = [self._views[i].cached_tokens for i in self._idle] + [
-                t for g in groups for t in self._kept.get(g, ())]
-            chosen = min(fit, key=lambda r: to_evaluate(r.prompt_tokens, cached))
+            chosen = min(fit, key=lambda r: here[r.id])
+        anywhere = None
         for r in fit:
             if r is chosen:
                 break
+            if self.share_prefix:
+                # one whose history another group holds waits for that group's slots: passing it
+                # over for these is no unfairness, and aging it into them would evaluate it again
+                if anywhere is None:
+                    anywhere = [v.cached_tokens for v in self._views.values()] + [
+                        t for ts in self._kept.values() for t in ts]
+                if here[r.id] - to_evaluate(r.prompt_tokens, anywhere) >= self.share_min:
+                    continue
             self._passed[r.id] = self._passed.get(r.id, 0) + 1
         return chosen
 

@@ -56,7 +56,8 @@ class LiveFigures:
 
     async def page(self) -> dict[str, Any]:
         """The live figures the page at / shows (computed when asked: nothing is kept for a
-        page that is not open): each stage's busy share since the last ask, each group's slots,
+        page that is not open): each stage's busy share since the last ask, each group's slots
+        and prompt cache,
         tokens per second and TTFT over the last minute, the topology and why."""
         busy, peer, self._last_page = await self._stage_busy(self._last_page)
         now = time.monotonic()
@@ -70,6 +71,9 @@ class LiveFigures:
         for v in self.engine.slot_views():
             groups.setdefault(v.group, []).append({"id": v.id, "state": v.state, "task": v.request_id,
                                                    "cached_tokens": v.n_cached})
+        caches = {p.group: {"entries": p.cache_entries, "capacity": p.cache_capacity, "tokens": p.cache_tokens,
+                            "hits": p.cache_hits, "reused_tokens": p.cache_reused, "evictions": p.cache_evictions}
+                  for p in self.engine.profiles()}
         running, waiting = self.engine.scheduler.counts()
         stages = [{"stage": "peer", "where": ep, "busy": busy.get("peer"), "up": bool(peer and peer["accepting"])}
                   for ep in self.config.rpc_endpoints]
@@ -77,7 +81,7 @@ class LiveFigures:
         stages.append({"stage": "local", "where": ", ".join(local) or "local", "busy": busy.get("local"), "up": True})
         return {
             "replica": self.replica, "model": self.engine.model_name, "topology": self.topology, "stages": stages,
-            "groups": [{"group": g, "slots": slots} for g, slots in sorted(groups.items())],
+            "groups": [{"group": g, "slots": slots, "prompt_cache": caches.get(g)} for g, slots in sorted(groups.items())],
             "tokens_per_second": rate, "ttft_s": {"n": len(ttfts), "median": ttfts[len(ttfts) // 2] if ttfts else None,
                                                   "p99": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))] if ttfts else None},
             "running": running, "waiting": waiting, "n_ctx_slot": self.engine.n_ctx_slot,

@@ -182,6 +182,22 @@ class _LlamaServerNames:
             yield f
 
 
+# (kind, name, the ProfileSnapshot field, help) of each group's prompt cache series
+PROMPT_CACHE_SERIES = (
+    (GaugeMetricFamily, "prompt_cache_capacity_entries", "cache_capacity",
+     "Entries of the group's prompt cache (KV sequences of a slot's size kept beyond the slots)."),
+    (GaugeMetricFamily, "prompt_cache_entries", "cache_entries", "Entries of the group's prompt cache holding a prompt."),
+    (GaugeMetricFamily, "prompt_cache_tokens", "cache_tokens", "Tokens the group's prompt cache entries hold."),
+    (CounterMetricFamily, "prompt_cache_saves", "cache_saves",
+     "Slots' KV saved into the group's prompt cache (before another request took the slot, and checkpoints)."),
+    (CounterMetricFamily, "prompt_cache_hits", "cache_hits", "Prompts that took a prefix from the group's prompt cache."),
+    (CounterMetricFamily, "prompt_cache_reused_tokens", "cache_reused",
+     "Prompt tokens taken from the group's prompt cache instead of being evaluated."),
+    (CounterMetricFamily, "prompt_cache_evictions", "cache_evictions",
+     "Prompt cache entries overwritten (least recently used) while holding a conversation of their own."),
+)
+
+
 class _GroupCollector:
     """Per-group series from the groups' published profiler snapshots."""
 
@@ -224,14 +240,9 @@ class _GroupCollector:
         accepted = fam(CounterMetricFamily, "group_spec_accepted_tokens", "Speculative decoding: draft tokens the group accepted.")
         copied = fam(CounterMetricFamily, "group_prefix_copied_tokens", "Prompt tokens the group copied from another slot's KV instead of evaluating them (shared prefixes).")
         rate = fam(GaugeMetricFamily, "group_spec_acceptance_ratio", "Speculative decoding: accepted over drafted tokens since start (0 before any draft).")
-        c_cap = fam(GaugeMetricFamily, "prompt_cache_capacity_entries", "Entries of the group's prompt cache (KV sequences of a slot's size kept beyond the slots).")
-        c_n = fam(GaugeMetricFamily, "prompt_cache_entries", "Entries of the group's prompt cache holding a prompt.")
-        c_tok = fam(GaugeMetricFamily, "prompt_cache_tokens", "Tokens the group's prompt cache entries hold.")
         c_bytes = fam(GaugeMetricFamily, "prompt_cache_bytes", "KV bytes of the tokens the group's prompt cache holds, on each device (stage) that keeps its layers' part.", ["device"])
-        c_saves = fam(CounterMetricFamily, "prompt_cache_saves", "Slots' KV saved into the group's prompt cache before another request took the slot.")
-        c_hits = fam(CounterMetricFamily, "prompt_cache_hits", "Prompts that took a prefix from the group's prompt cache.")
-        c_reused = fam(CounterMetricFamily, "prompt_cache_reused_tokens", "Prompt tokens taken from the group's prompt cache instead of being evaluated.")
-        c_evict = fam(CounterMetricFamily, "prompt_cache_evictions", "Prompt cache entries overwritten (least recently used) while holding a conversation of their own.")
+        # the prompt cache's series: the snapshot's field each one reads
+        cache = [(fam(kind, name, doc), field) for kind, name, field, doc in PROMPT_CACHE_SERIES]
         for s in self.snaps:
             v = [self.model, self.replica, str(s.group)]
             n_busy, n = self.busy.get(s.group, (0, 0))
@@ -251,15 +262,10 @@ class _GroupCollector:
             accepted.add_metric(v, s.accepted)
             copied.add_metric(v, s.prefix_copied)
             rate.add_metric(v, s.accepted / s.drafted if s.drafted else 0.0)
-            c_cap.add_metric(v, s.cache_capacity)
-            c_n.add_metric(v, s.cache_entries)
-            c_tok.add_metric(v, s.cache_tokens)
+            for series, field in cache:
+                series.add_metric(v, getattr(s, field))
             for device, per in self.kv_per_token.items():
                 c_bytes.add_metric([*v, device], s.cache_tokens * per)
-            c_saves.add_metric(v, s.cache_saves)
-            c_hits.add_metric(v, s.cache_hits)
-            c_reused.add_metric(v, s.cache_reused)
-            c_evict.add_metric(v, s.cache_evictions)
         base = [self.model, self.replica]
         away = CounterMetricFamily(P + "prompt_cache_elsewhere_requests", "Requests sent to a group while another "
                                    "group held clearly more of their prompt (in a slot or its prompt cache): that part "
@@ -269,7 +275,7 @@ class _GroupCollector:
                                      "requests sent elsewhere (evaluated again).", labels=["model", "replica"])
         away_t.add_metric(base, self.elsewhere[1])
         yield from (slots_busy, slots, kv, steps, rows, toks, ubs, dcpu, bps, phase, dev, drafted, accepted, rate, copied,
-                    c_cap, c_n, c_tok, c_bytes, c_saves, c_hits, c_reused, c_evict, away, away_t)
+                    c_bytes, *(series for series, _ in cache), away, away_t)
 
 
 def merge_exposition(texts: list[bytes]) -> bytes:

@@ -122,6 +122,23 @@ def test_waiting_requests_start_shortest_first_and_a_passed_one_starts_after_agi
     assert b.last()[0] == "short3"
 
 
+def test_a_conversation_another_group_holds_waits_for_that_group_not_aged_into_this_one():
+    # two groups of one slot; group 1's prompt cache holds conversation A's history
+    b = Bed(2, 2, aging=2, share_prefix=True, share_min=4)
+    hist = list(range(7000, 7300))
+    b.s.kept(1, [np.asarray(hist, np.int32)])
+    b.submit("x0")
+    b.submit("x1")
+    assert {r.slot_id for r in b.started} == {0, 1}
+    b.submit("a", tokens=[*hist, 1, 2])
+    for i in range(4):  # group 0's slot frees again and again: newer requests take it
+        b.submit(f"n{i}", 5)
+        b.finish(0)
+        assert b.last() == (f"n{i}", 0)
+    b.finish(1)  # its own group's slot: A goes there, its history reused
+    assert b.last() == ("a", 1)
+
+
 def test_a_prompt_mostly_in_an_idle_slots_cache_counts_as_short_and_fifo_among_equals():
     b = Bed(1, 1, aging=8)
     cached = list(range(5000, 5600))

@@ -18,8 +18,8 @@ from engine.config import SpeculativeConfig
 from engine.mtp import PairedKv, pairs
 from engine.synthetic_model import ModelShape, write_mtp_model
 from tests.conftest import RPC_PORT
+from tests.link import CountingLink
 from tests.test_speculative import check_kv, run
-from tests.test_split import CountingLink
 
 SHAPE = ModelShape(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab=1024, seed=11)
 MTP = {"type": "mtp", "n_max": 4, "p_min": 0.0, "max_rows": 8}

@@ -10,7 +10,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.prompt_cache import LLAMA_MAX_SEQ, PromptCache, n_entries_for
-from tests.link_meter import LinkMeter
+from tests.link import CountingLink
 
 P = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 SYSTEM = [(11 * k + 5) % 3000 + 20 for k in range(64)]
@@ -21,15 +21,15 @@ def user(i: int, turn: int, n: int = 60) -> list[int]:
     return [(97 * i + 31 * turn + 7 * k) % 3500 + 300 for k in range(n)]
 
 
-def run(e, prompt: list[int], id_slot: int = -1):
+def run(e, prompt: list[int], id_slot: int = -1, params: SamplingParams = P):
     """One request to the end: (its text, the tokens it generated, its final output)."""
-    r = e.make_request(prompt, P)
+    r = e.make_request(prompt, params)
     r.id_slot = id_slot
     q = e.outputs.register(r.id)
     e.submit(r)
     parts, toks = [], []
     while True:
-        o = q.get(timeout=120)
+        o = q.get(timeout=300)
         parts.append(o.text)
         toks += o.tokens
         if o.finish_reason is not None:
@@ -168,16 +168,15 @@ def restore_cost(make_engine, rpc_endpoint: str, n_history: int) -> tuple[int, i
     """Bytes over the link of a returning turn whose history (``n_history`` tokens of user text)
     is restored from the prompt cache, less those of the same turn continuing its own slot; and
     the bytes of that history's KV on the peer."""
-    host, port = rpc_endpoint.rsplit(":", 1)
-    meter = LinkMeter((host, int(port)))
-    e = make_engine(n_parallel=2, n_ctx=8192, rpc_endpoints=[meter.endpoint])
+    link = CountingLink(int(rpc_endpoint.rsplit(":", 1)[1]))
+    e = make_engine(n_parallel=2, n_ctx=8192, rpc_endpoints=[f"127.0.0.1:{link.port}"])
     try:
         hist = SYSTEM + user(0, 0, n_history)
 
         def turn(prompt: list[int], slot: int) -> tuple[int, object, list[int]]:
-            b0 = meter.read()
+            b0 = link.both
             _, toks, fin = run(e, prompt, id_slot=slot)
-            return meter.read() - b0, fin, toks
+            return link.both - b0, fin, toks
 
         _, _, a_ans = turn(hist, 0)  # conversation A on slot 0
         turn(SYSTEM[:8] + user(1, 0, n_history), 0)  # B takes slot 0: A is saved into the cache
@@ -195,7 +194,7 @@ def restore_cost(make_engine, rpc_endpoint: str, n_history: int) -> tuple[int, i
         return restored - own, per_token * fin_a.cached_tokens
     finally:
         e.close()  # a lost RPC connection aborts the process: the engine goes first
-        meter.close()
+        link.close()
 
 
 def test_on_the_split_a_restore_sends_commands_over_the_link_not_the_kv(make_engine, rpc_endpoint):

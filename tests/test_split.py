@@ -17,6 +17,7 @@ import pytest
 
 from engine import SamplingParams
 from tests.conftest import RPC_PORT
+from tests.link import CountingLink
 
 log = logging.getLogger(__name__)
 
@@ -94,63 +95,6 @@ def test_peer_layers_puts_exactly_that_many_layers_on_the_peer(make_engine, rpc_
 def test_peer_layers_refused_without_a_split(make_engine):
     with pytest.raises(ValueError, match="peer_layers needs"):
         make_engine(n_parallel=2, peer_layers=1)
-
-
-class CountingLink:
-    """A TCP forwarder in front of an RPC server that counts the bytes sent to it: the link."""
-
-    def __init__(self, target_port: int) -> None:
-        import socket
-        import threading
-
-        self.sent = 0
-        self._lsock = socket.create_server(("127.0.0.1", 0))
-        self.port = self._lsock.getsockname()[1]
-        self._target = target_port
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        import socket
-        import threading
-
-        while True:
-            try:
-                client, _ = self._lsock.accept()
-            except OSError:
-                return
-            try:
-                server = socket.create_connection(("127.0.0.1", self._target))
-            except OSError:  # the server is gone: the client sees its connection end
-                client.close()
-                continue
-            for a, b, count in ((client, server, True), (server, client, False)):
-                threading.Thread(target=self._pump, args=(a, b, count), daemon=True).start()
-
-    def _pump(self, a, b, count: bool) -> None:  # noqa: ANN001
-        try:
-            while data := a.recv(1 << 16):
-                if count:
-                    self.sent += len(data)
-                b.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (a, b):
-                try:
-                    sock.shutdown(2)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        """Stop listening for good: later connections are refused, as by a server that is gone
-        (a listener closed under a blocked accept() would queue them unanswered)."""
-        import socket
-
-        try:
-            self._lsock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._lsock.close()
 
 
 def test_a_shared_prefix_is_copied_on_the_peer_not_over_the_link(make_engine):

@@ -259,7 +259,10 @@ function renderPipeline(data) {
       return el("div", { class: "group", testid: "group", "data-busy": String(busy) },
         el("div", {}, el("b", {}, "group " + g.group), ` ${busy}/${g.slots.length} slots busy`),
         el("div", { class: "slots" }, ...g.slots.map((s) => el("div", { class: "slot " + s.state, testid: "slot", "data-state": s.state },
-          `#${s.id} ${s.state}`, el("br"), `${s.cached_tokens} cached`, s.task ? el("br") : "", s.task ? String(s.task).slice(0, 14) : ""))));
+          `#${s.id} ${s.state}`, el("br"), `${s.cached_tokens} cached`, s.task ? el("br") : "", s.task ? String(s.task).slice(0, 14) : ""))),
+        g.prompt_cache && g.prompt_cache.capacity ? el("div", { class: "muted", testid: "prompt-cache" },
+          `prompt cache: ${g.prompt_cache.entries}/${g.prompt_cache.capacity} entries, ${g.prompt_cache.tokens} tokens; ` +
+          `${g.prompt_cache.hits} hits, ${g.prompt_cache.reused_tokens} tokens reused, ${g.prompt_cache.evictions} evicted`) : "");
     }));
     return el("div", { class: "replica", testid: "replica" },
       el("div", {}, el("b", {}, "replica " + r.replica), " ", el("span", { class: "muted" }, r.model)),

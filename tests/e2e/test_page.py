@@ -112,6 +112,8 @@ def test_the_page_is_served_with_the_guard_and_no_cdn(base):
     data = httpx.get(base + "/pipeline", timeout=30).json()
     r0 = data["replicas"][0]
     assert [g["group"] for g in r0["groups"]] == [0, 1] and {s["stage"] for s in r0["stages"]} == {"peer", "local"}
+    # each group's prompt cache: one entry a slot by default
+    assert all(g["prompt_cache"]["capacity"] == len(g["slots"]) for g in r0["groups"])
 
 
 def test_a_chat_answer_streams_and_stops(page, base):

@@ -5,8 +5,7 @@ prompt, past the window, instead of evaluating the whole conversation again."""
 from __future__ import annotations
 
 from engine import SamplingParams
-
-P = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+from tests.test_prompt_cache import run as run_one
 
 
 def words(seed: int, n: int) -> list[int]:
@@ -14,16 +13,7 @@ def words(seed: int, n: int) -> list[int]:
 
 
 def run(e, prompt: list[int], max_tokens: int = 8):
-    r = e.make_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    q = e.outputs.register(r.id)
-    e.submit(r)
-    parts, toks = [], []
-    while True:
-        o = q.get(timeout=300)
-        parts.append(o.text)
-        toks += o.tokens
-        if o.finish_reason is not None:
-            return "".join(parts), toks, o
+    return run_one(e, prompt, params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
 
 
 def test_a_re_rendered_answer_rolls_back_to_the_prompts_checkpoint_past_the_window(make_gemma):
