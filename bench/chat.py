@@ -231,6 +231,7 @@ def llama_server(cache_ram: int) -> tuple[str, Callable[[], None]]:
 SERVERS: dict[str, Callable[[], tuple[str, Callable[[], None]]]] = {
     "pipeline-groups": ours,
     "pipeline-groups, no prompt cache": lambda: ours({"prompt_cache_mib": 0}),
+    "pipeline-groups, prompt cache 3 GiB": lambda: ours({"prompt_cache_mib": 3072}),
     "llama-server cache-ram 8192": lambda: llama_server(8192),
     "llama-server cache-ram 0": lambda: llama_server(0),
 }

@@ -30,6 +30,9 @@ from engine.types import FinishReason, Output, QueueFullError, Request
 
 # A prefix this close to the longest one counts as equal, so that the less busy group wins.
 NEAR_PREFIX = 0.9
+# A held prefix counts one busy slot fewer for its group, and one more for each this many tokens
+# of it (at least; prefill_long_tokens where larger).
+HELD_UNIT = 256
 # The waiting requests weighed for a free slot (the oldest ones; aging moves the rest up).
 ADMIT_WINDOW = 64
 
@@ -58,8 +61,9 @@ def choose_slot(
     ``held`` (groups that share prefixes between their slots) maps a group to the longest
     prefix of the prompt that any of its slots holds or is computing (``group_prefixes``).
     When that is at least ``min_shared`` tokens and clearly longer than any idle slot's own, it is weighed against balance: a
-    group holding it counts one busy slot fewer, so it takes the request unless it is
-    already busier than another group by two or more.
+    group holding it counts one busy slot fewer, and one more per ``HELD_UNIT`` (or
+    ``long_prompt``) tokens of it, so it takes the request unless it is already that much
+    busier than another group (a conversation's long history outweighs balance).
 
     A group's load is its busy slots; for a prompt with more than ``long_prompt`` tokens to
     evaluate on the slot (after what it reuses there), its streams decoding (``decoding``
@@ -111,9 +115,14 @@ def choose_slot(
         return min(near, key=lambda v: (load(v, start(v)), cost(v), (kept or {}).get(v.group, 0), -lcp[v.id],
                                         *rest(v)))
     if enough(best_held):
+        unit = max(long_prompt, HELD_UNIT)
+
         def weighed(v: SlotView) -> tuple:
+            # the group holding the prefix counts one busy slot fewer, and one more for every
+            # ``unit`` tokens of it: a long history outweighs a busier group
             h = in_group[v.group]
-            return (load(v, max(h, lcp[v.id])) - (h >= NEAR_PREFIX * best_held), -h, lost(v), -lcp[v.id], *rest(v))
+            bonus = (1 + h // unit) if h >= NEAR_PREFIX * best_held else 0
+            return (load(v, max(h, lcp[v.id])) - bonus, -h, lost(v), -lcp[v.id], *rest(v))
 
         return min(idle, key=weighed)
     return min(idle, key=lambda v: (load(v), *rest(v)))
@@ -141,6 +150,8 @@ class Scheduler:
         self._waiting: OrderedDict[str, Request] = OrderedDict()  # for any slot
         self._pinned: dict[int, OrderedDict[str, Request]] = {}  # slot -> the requests waiting for it
         self._passed: dict[str, int] = {}  # a waiting request -> later arrivals started before it
+        # a waiting request held in another group -> events a free slot elsewhere waited for it
+        self._deferred: dict[str, int] = {}
         self._running: dict[str, Request] = {}
         self._slot_request: dict[int, str] = {}
         self._slot_prompt: dict[int, np.ndarray] = {}  # a busy slot's prompt: its KV will hold it
@@ -159,6 +170,7 @@ class Scheduler:
         # requests sent to a group while another held clearly more of their prompt (a slot's or
         # its prompt cache's), and the prompt tokens that other group held beyond it
         self.n_elsewhere = 0
+        self.n_deferred_away = 0  # ... of them sent once they had waited ``aging`` events
         self.n_elsewhere_tokens = 0
 
     def submit(self, r: Request) -> None:
@@ -269,6 +281,7 @@ class Scheduler:
                 return
             del self._waiting[r.id]
             self._passed.pop(r.id, None)
+            self._deferred.pop(r.id, None)
             self._assign(r)
 
     def _next_waiting(self) -> Request | None:
@@ -283,35 +296,48 @@ class Scheduler:
             if not self._fits(r):
                 break
             fit.append(r)
-        if len(fit) <= 1 or self.aging <= 0:
+        if not fit or self.aging <= 0:
             return fit[0] if fit else None
         # what the free slots would reuse: their own KV, or their group's prompt cache
         groups = {self._views[i].group for i in self._idle}
         cached = [self._views[i].cached_tokens for i in self._idle] + [
             t for g in groups for t in self._kept.get(g, ())]
         here = {r.id: to_evaluate(r.prompt_tokens, cached) for r in fit}
+        away = self._held_away(fit, here)
         chosen = next((r for r in fit if self._passed.get(r.id, 0) >= self.aging), None)
         if chosen is None:
-            chosen = min(fit, key=lambda r: here[r.id])
-        anywhere = None
+            mine = [r for r in fit if r.id not in away]
+            if not mine:
+                # every waiting request's history is in another group: the free slot waits for a
+                # request of its own (each event a request is passed so counts once), rather than
+                # evaluate a history again, until one has waited ``aging`` events
+                r = min(fit, key=lambda r: here[r.id])
+                self._deferred[r.id] = self._deferred.get(r.id, 0) + 1
+                if self._deferred[r.id] <= self.aging:
+                    return None
+                self.n_deferred_away += 1
+                return r
+            chosen = min(mine, key=lambda r: here[r.id])
         for r in fit:
             if r is chosen:
                 break
-            if self.share_prefix:
-                # one whose history another group holds waits for that group's slots: passing it
-                # over for these is no unfairness, and aging it into them would evaluate it again
-                if anywhere is None:
-                    anywhere = [v.cached_tokens for v in self._views.values()] + [
-                        t for ts in self._kept.values() for t in ts]
-                if here[r.id] - to_evaluate(r.prompt_tokens, anywhere) >= self.share_min:
-                    continue
-            self._passed[r.id] = self._passed.get(r.id, 0) + 1
+            if r.id not in away:  # one that waits for its own group's slots is not passed over
+                self._passed[r.id] = self._passed.get(r.id, 0) + 1
         return chosen
+
+    def _held_away(self, fit: list[Request], here: dict[str, int]) -> set[str]:
+        """The waiting requests whose prompt another group holds clearly more of (in a slot or
+        its prompt cache) than the free slots do."""
+        if not self.share_prefix:
+            return set()
+        anywhere = [v.cached_tokens for v in self._views.values()] + [t for ts in self._kept.values() for t in ts]
+        return {r.id for r in fit if here[r.id] - to_evaluate(r.prompt_tokens, anywhere) >= self.share_min}
 
     def cancel(self, request_id: str) -> bool:
         with self._lock:
             r = self._waiting.pop(request_id, None)
             self._passed.pop(request_id, None)
+            self._deferred.pop(request_id, None)
             if r is None:
                 for sid, q in self._pinned.items():
                     if (r := q.pop(request_id, None)) is not None:

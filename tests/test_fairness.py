@@ -125,7 +125,7 @@ def test_waiting_requests_start_shortest_first_and_a_passed_one_starts_after_agi
 def test_a_conversation_another_group_holds_waits_for_that_group_not_aged_into_this_one():
     # two groups of one slot; group 1's prompt cache holds conversation A's history
     b = Bed(2, 2, aging=2, share_prefix=True, share_min=4)
-    hist = list(range(7000, 7300))
+    hist = list(range(70_000, 70_300))  # shares nothing with the other prompts
     b.s.kept(1, [np.asarray(hist, np.int32)])
     b.submit("x0")
     b.submit("x1")
@@ -137,6 +137,17 @@ def test_a_conversation_another_group_holds_waits_for_that_group_not_aged_into_t
         assert b.last() == (f"n{i}", 0)
     b.finish(1)  # its own group's slot: A goes there, its history reused
     assert b.last() == ("a", 1)
+    # alone in the queue, A's next turn leaves group 0's free slot idle for a while (each event
+    # counts), then takes it rather than wait on
+    b.s.kept(1, [np.asarray(hist + [1, 2, 3], np.int32)])
+    b.submit("a2", tokens=[*hist, 1, 2, 3, 4])  # both slots busy: it waits
+    b.finish(0)  # group 0's slot frees; group 1's runs A
+    assert b.last() == ("a", 1) and b.s.counts() == (1, 1)
+    b.s.submit(Request("pin", [9], PARAMS, n_predict=8, id_slot=1))  # an event
+    b.s.cancel("pin")
+    assert b.last() == ("a", 1)
+    b.s.submit(Request("pin2", [9], PARAMS, n_predict=8, id_slot=1))
+    assert b.last() == ("a2", 0) and b.s.n_deferred_away == 1
 
 
 def test_a_prompt_mostly_in_an_idle_slots_cache_counts_as_short_and_fifo_among_equals():

@@ -86,3 +86,16 @@ def test_a_prefix_held_in_a_group_is_weighed_against_balance():
     # a slot's own cached prefix still wins over balance, as before
     own = [idle_view(0, 0, 1, SYSTEM_PROMPT + [3]), idle_view(1, 1, 0, [])]
     assert choose_slot(own, prompt, {}, 0.1, {0: {0, 2, 3}}, held, 32).id == 0
+
+
+def test_a_long_history_held_in_a_group_outweighs_a_busier_group():
+    history = list(range(3000, 4500))  # 1,500 tokens: one busy slot and one more per 256 tokens
+    prompt = np.asarray(history + [5, 6], np.int32)
+    idle = [idle_view(0, 0, 3, []), idle_view(4, 1, 0, []), idle_view(5, 1, 1, [])]
+    held = {0: len(history)}
+    # group 0 runs three requests, group 1 none: the history still wins
+    assert choose_slot(idle, prompt, {}, 0.1, {0: {0, 1, 2}}, held, 32, long_prompt=256).group == 0
+    # a short prefix does not: balance wins
+    short = {0: 100}
+    assert choose_slot(idle, np.asarray(history[:100] + [5], np.int32), {}, 0.1, {0: {0, 1, 2}}, short, 32,
+                       long_prompt=256).group == 1
