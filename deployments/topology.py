@@ -58,9 +58,11 @@ def kv_bytes(model: str, n_ctx: int) -> int:
     return read_shape(model).kv_bytes(n_ctx)
 
 
-def model_needs(model: str, n_ctx: int) -> int:
-    """What serving the model whole on one node takes: its weights and its KV cache."""
-    return os.path.getsize(model) + kv_bytes(model, n_ctx)
+def model_needs(model: str, n_ctx: int, cache_bytes: int | None = 0) -> int:
+    """What serving the model whole on one node takes: its weights, its slots' KV cache and its
+    prompt cache (``cache_bytes``; None: as much again as the slots', its default)."""
+    kv = kv_bytes(model, n_ctx)
+    return os.path.getsize(model) + kv + (kv if cache_bytes is None else cache_bytes)
 
 
 def choose(requested: Topology, need: int, nodes: list[NodeFacts], split_configured: bool) -> TopologyChoice:

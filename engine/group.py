@@ -101,7 +101,8 @@ class PipelineGroup:
         self.spec = config.speculative
         self.budget = budget  # chunked prefill's, shared by the engine's groups
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.prof = GroupProfiler(index, kv_total=self.runner.ctx.n_ctx, enabled_log=config.profile)
+        # the slots' cells (the prompt cache's entries are counted apart)
+        self.prof = GroupProfiler(index, kv_total=self.n_ctx_slot * len(slots), enabled_log=config.profile)
         self.processor = OutputProcessor(index, tokenizer, self.runner, self.prof, config.sample_threads_per_group())
         self.active: list[Slot] = []
         self.alive = True

@@ -19,6 +19,9 @@ def test_the_kv_cache_is_counted_from_the_ggufs_own_shape(model_path):
     # the synthetic model: 4 layers, 2 KV heads of 64 dimensions, f16 K and V
     assert kv_bytes(model_path, 1000) == 4 * 1000 * 2 * (64 + 64) * 2
     assert model_needs(model_path, 1000) == os.path.getsize(model_path) + kv_bytes(model_path, 1000)
+    # the prompt cache's KV too: by default as much again as the slots', else its budget
+    assert model_needs(model_path, 1000, None) == os.path.getsize(model_path) + 2 * kv_bytes(model_path, 1000)
+    assert model_needs(model_path, 1000, 5 << 20) == model_needs(model_path, 1000) + (5 << 20)
 
 
 @pytest.mark.parametrize(("need", "have", "split", "want"), [
