@@ -11,6 +11,7 @@ import pytest
 from engine import SamplingParams
 from engine.prompt_cache import LLAMA_MAX_SEQ, PromptCache, n_entries_for
 from tests.link import CountingLink
+from tests.test_resume_engine import run as run_request
 
 P = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 SYSTEM = [(11 * k + 5) % 3000 + 20 for k in range(64)]
@@ -23,17 +24,8 @@ def user(i: int, turn: int, n: int = 60) -> list[int]:
 
 def run(e, prompt: list[int], id_slot: int = -1, params: SamplingParams = P):
     """One request to the end: (its text, the tokens it generated, its final output)."""
-    r = e.make_request(prompt, params)
-    r.id_slot = id_slot
-    q = e.outputs.register(r.id)
-    e.submit(r)
-    parts, toks = [], []
-    while True:
-        o = q.get(timeout=300)
-        parts.append(o.text)
-        toks += o.tokens
-        if o.finish_reason is not None:
-            return "".join(parts), toks, o
+    texts, toks, fin = run_request(e, prompt, params, id_slot=id_slot)
+    return "".join(texts), toks, fin
 
 
 def chat(e, n_conv: int, n_turns: int) -> tuple[list[str], list[tuple[int, int, int]]]:

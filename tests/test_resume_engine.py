@@ -12,9 +12,11 @@ PROMPT = "hello world, tell me a story"
 N = 24
 
 
-def run(e, prompt: list[int], params: SamplingParams, n_resumed: int = 0) -> tuple[list[str], list[int], object]:
+def run(e, prompt: list[int], params: SamplingParams, n_resumed: int = 0,
+        id_slot: int = -1) -> tuple[list[str], list[int], object]:
     """A request's outputs: the text of each, every token, the final output."""
     r = e.make_request(prompt, params, n_resumed=n_resumed)
+    r.id_slot = id_slot
     q = e.outputs.register(r.id)
     e.submit(r)
     texts, tokens = [], []
