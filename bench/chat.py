@@ -36,9 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-import yaml
 
-from bench.run import ROOT
+from bench.run import demo_args
 from engine.models import CHAT_MODEL
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -208,12 +207,9 @@ def ours(cache: dict | None = None) -> tuple[str, Callable[[], None]]:
     from bench.run import HttpStack
 
     stack = HttpStack()
-    conf = yaml.safe_load((ROOT / "deployments" / "configs" / "local.yaml").read_text())
-    args = {**conf["applications"][0]["args"], "n_parallel": SLOTS, "n_ctx": SLOTS * N_CTX_SLOT,
-            "peer_layers": N_PEER, **(cache or {})}
-    args["rpc"] = {**args["rpc"], "port": RPC_PORT}
     try:
-        stack.deploy(args)
+        stack.deploy(demo_args(RPC_PORT, **{"n_parallel": SLOTS, "n_ctx": SLOTS * N_CTX_SLOT, "peer_layers": N_PEER,
+                                            **(cache or {})}))
     except BaseException:
         stack.close()
         raise

@@ -40,9 +40,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-import yaml
 
-from bench.run import ROOT, HttpStack
+from bench.run import ROOT, HttpStack, demo_args
 
 CELLS = ("stage-kill", "engine-kill", "freeze", "structured", "pairs")
 TOPICS = ["the sea", "mountains", "bread", "trains", "bees", "winter", "libraries", "rivers"]
@@ -266,11 +265,6 @@ def pairs_cell(base: str, tokens: int) -> dict:
     return {**out, "cut_streams": len(cut), "cut_pause_s": round(pause, 2),
             "other_pair_longest_gap_s": round(max((s.longest_gap for s in others), default=0.0), 2),
             "one_prefill_of_that_length_s": round(prefill, 2), "tokens_at_kill": at_kill}
-
-
-def demo_args(**more: object) -> dict:
-    conf = yaml.safe_load((ROOT / "deployments" / "configs" / "local.yaml").read_text())
-    return {**conf["applications"][0]["args"], **more}
 
 
 def table(rows: list[dict]) -> str:

@@ -49,9 +49,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import yaml
 
-from bench.run import ROOT
+from bench.run import ROOT, demo_args
 from engine.models import CHAT_MODEL
 
 LS_PORT, LS_RPC, RPC_PORT, COST_RPC = 50194, 50195, 50196, 50197
@@ -306,11 +305,8 @@ class Stack:
         self.http = HttpStack()
 
     def arm(self, **knobs: object) -> tuple[Opener, Callable[[], None]]:
-        conf = yaml.safe_load((ROOT / "deployments" / "configs" / "local.yaml").read_text())
-        args = {**conf["applications"][0]["args"], "n_parallel": SLOTS, "n_ctx": SLOTS * N_CTX_SLOT,
-                "peer_layers": N_PEER, "max_queued_per_slot": PER_SLOT, **knobs}
-        args["rpc"] = {**args["rpc"], "port": RPC_PORT}
-        self.http.deploy(args)
+        self.http.deploy(demo_args(RPC_PORT, **{"n_parallel": SLOTS, "n_ctx": SLOTS * N_CTX_SLOT,
+                                                "peer_layers": N_PEER, "max_queued_per_slot": PER_SLOT, **knobs}))
         return http_opener(self.http.base), lambda: None
 
     def close(self) -> None:

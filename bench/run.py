@@ -139,6 +139,18 @@ def _profile_figures(p0: list, p1: list, res: LoadResult) -> dict:
 # ---- the HTTP path -----------------------------------------------------------------------------
 
 
+def demo_args(rpc_port: int | None = None, **more: object) -> dict:
+    """``make serve``'s application arguments (deployments/configs/local.yaml) with ``more`` over
+    them, and its RPC stage on ``rpc_port`` where given."""
+    import yaml
+
+    conf = yaml.safe_load((ROOT / "deployments" / "configs" / "local.yaml").read_text())
+    args = {**conf["applications"][0]["args"], **more}
+    if rpc_port is not None:
+        args["rpc"] = {**args["rpc"], "port": rpc_port}
+    return args
+
+
 class HttpStack:
     """The local two-node Ray cluster with Serve on a bench port."""
 

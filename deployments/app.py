@@ -15,7 +15,6 @@ from typing import Any
 from deployments.args import LOCAL_RESOURCE, PEER_RESOURCE, AppArgs, is_wildcard
 from deployments.topology import TopologyChoice, choose, missing_model, model_needs, probe
 from engine.models import ensure_shipped, is_shipped
-from engine.prefix import cache_on
 
 log = logging.getLogger(__name__)
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's own resource of the head node
@@ -77,8 +76,7 @@ def plan_topology(a: AppArgs) -> TopologyChoice:
     if a.topology == "layer_split":
         return TopologyChoice("layer_split", "configured", 0, 0, 0)
     nodes = probe(a.model, (LOCAL_RESOURCE, PEER_RESOURCE), fetch_default=is_shipped(a.model))
-    cache = (None if a.prompt_cache_mib is None else a.prompt_cache_mib << 20) if cache_on(a) else 0
-    choice = choose(a.topology, model_needs(a.model, a.n_ctx, cache), nodes, a.split)
+    choice = choose(a.topology, model_needs(a.model, a.n_ctx, a.prompt_cache_bytes), nodes, a.split)
     if choice.topology == "replicas" and (refusal := missing_model(nodes, a.model)):
         raise ValueError(refusal)
     return choice

@@ -313,6 +313,14 @@ class EngineConfig(BaseModel):
         return self.n_parallel // self.pipeline_groups
 
     @property
+    def prompt_cache_bytes(self) -> int | None:
+        """The prompt cache's budget in bytes: None as much KV again as the slots', 0 off (as
+        without share_prefix or cache_prompt)."""
+        if not (self.share_prefix and self.cache_prompt) or self.prompt_cache_mib == 0:
+            return 0
+        return None if self.prompt_cache_mib is None else self.prompt_cache_mib << 20
+
+    @property
     def n_ctx_per_group(self) -> int:
         return self.n_ctx // self.pipeline_groups
 

@@ -26,13 +26,13 @@ from pathlib import Path
 from engine.budget import PrefillBudget
 from engine.config import EngineConfig
 from engine.embeddings import Embedder
-from engine.gguf_shape import read_shape
+from engine.gguf_shape import GgufShape, read_shape
 from engine.grammar import GrammarCompiler, GrammarDeadEnd
 from engine.group import CancelMsg, PipelineGroup, SlotBusyError, SlotOpMsg, StartMsg
 from engine.mtp import require_mtp
 from engine.native import Model, add_rpc_server, local_device_name
-from engine.prefix import cache_on, sharing_on
-from engine.prompt_cache import LLAMA_MAX_SEQ, n_entries_for
+from engine.prefix import sharing_on
+from engine.prompt_cache import n_entries_for
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.slots import Slot, SlotView
@@ -68,6 +68,17 @@ def layer_split(config: EngineConfig, devices: list[str] | None) -> list[float] 
     if config.peer_layers >= n_layer:
         raise ValueError(f"peer_layers ({config.peer_layers}) must leave the local device at least one of {n_layer} layers")
     return [float(config.peer_layers), float(n_layer + 1 - config.peer_layers)]
+
+
+def kv_per_device(shape: GgufShape, placed: dict[int, str]) -> dict[str, int]:
+    """The f16 KV bytes a token takes on each device, by where llama.cpp put each layer
+    (``Model.layer_devices``; none recorded: all on the CPU)."""
+    per_layer = shape.kv_bytes(1) // max(shape.n_layer, 1)
+    out: dict[str, int] = {}
+    for il in range(shape.n_layer):
+        dev = placed.get(il, "CPU")
+        out[dev] = out.get(dev, 0) + per_layer
+    return out
 
 
 class Engine:
@@ -116,8 +127,10 @@ class Engine:
             self.groups: list[PipelineGroup] = []
             per = config.n_slots_per_group
             self.slots = [Slot(id=i, group=i // per, seq_id=i % per) for i in range(config.n_parallel)]
-            self.entry_bytes = 0
-            self.n_kept = self._cache_entries()
+            # the KV a token takes on each stage, and the prompt cache's entries (slot-sized)
+            self.kv_per_token = kv_per_device(read_shape(config.model), self.model.layer_devices)
+            self.entry_bytes = sum(self.kv_per_token.values()) * (config.n_ctx_per_group // per)
+            self.n_kept = n_entries_for(config.prompt_cache_bytes, self.entry_bytes, config.pipeline_groups, per)
             self.scheduler = Scheduler(
                 [s.view() for s in self.slots],
                 dispatch=lambda g, r: self.groups[g].inbox.put(StartMsg(r)),
@@ -168,32 +181,10 @@ class Engine:
             self.entry_bytes / 2**20,
         )
 
-    def _cache_entries(self) -> int:
-        """Entries of each group's prompt cache: what ``prompt_cache_mib`` holds of slot-sized
-        KV sequences over every stage (none where slots cannot share KV)."""
-        cfg = self.config
-        if not cache_on(cfg):
-            return 0
-        self.entry_bytes = read_shape(cfg.model).kv_bytes(cfg.n_ctx_per_group // cfg.n_slots_per_group)
-        if cfg.prompt_cache_mib is None:
-            return max(0, min(cfg.n_slots_per_group, LLAMA_MAX_SEQ - cfg.n_slots_per_group))
-        return n_entries_for(cfg.prompt_cache_mib << 20, self.entry_bytes, cfg.pipeline_groups,
-                             cfg.n_slots_per_group)
-
     def kv_bytes_per_token(self) -> dict[str, int]:
         """The KV bytes one cached token takes on each device (f16 KV): each stage keeps its
         own layers' part."""
-        if getattr(self, "_kv_per_token", None) is None:
-            shape = read_shape(self.config.model)
-            per_layer = shape.kv_bytes(1) // max(shape.n_layer, 1)
-            out: dict[str, int] = {}
-            placed = self.model.layer_devices
-            last = max(placed) if placed else -1
-            for il in range(shape.n_layer):
-                dev = placed.get(il, placed.get(last, "CPU")) if placed else "CPU"
-                out[dev] = out.get(dev, 0) + per_layer
-            self._kv_per_token = out
-        return self._kv_per_token
+        return self.kv_per_token
 
     def _sink(self, outs: list[Output]) -> None:
         try:

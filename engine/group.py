@@ -238,15 +238,13 @@ class PipelineGroup:
     # ---- a request starts -------------------------------------------------------------------
 
     def _begin(self, r: Request) -> None:
-        kept = self.prefix.kept
-        n_saves = kept.n_saves if kept else 0
+        n_saves = self._n_saves()
         leader = self._begin_one(r)
         for f in r.followers:
             # its own sampler and text from now; its prompt's KV comes from the leader, and
             # its first token from the leader's logits
             self._begin_one(f, leader)
-        if kept and kept.n_saves != n_saves and self.on_kept is not None:
-            self.on_kept(self.index, kept.views())
+        self._publish_kept(n_saves)
         self._publish_load()  # a short prompt cuts the other groups' long chunks from their next step
 
     def _begin_one(self, r: Request, leader: Slot | None = None) -> Slot:
@@ -296,13 +294,11 @@ class PipelineGroup:
         outs = got.outputs
         for s, end in got.endings:  # the group frees their slots
             outs.append(self._finish(s, end.reason, end.text, **end.figures))
-        kept = self.prefix.kept
-        n_saves = kept.n_saves if kept else 0
+        n_saves = self._n_saves()
         for s in got.began:  # published once (/slots, the page)
             self.prefix.checkpoint(s, self.slots)
             self.on_release(s.view(), False)
-        if kept and kept.n_saves != n_saves and self.on_kept is not None:
-            self.on_kept(self.index, kept.views())
+        self._publish_kept(n_saves)
         self._publish_load()
         # the step's figures are published before its outputs leave, so whoever reads an output
         # finds the step that made it counted; the send's own time goes to the next snapshot
@@ -312,6 +308,15 @@ class PipelineGroup:
         with prof.timed("send"):
             if outs:
                 self.sink(outs)
+
+    def _n_saves(self) -> int:
+        return self.prefix.kept.n_saves if self.prefix.kept else 0
+
+    def _publish_kept(self, n_saves: int) -> None:
+        """What the prompt cache's entries hold, for the scheduler, when saves since ``n_saves``
+        changed it."""
+        if self.on_kept is not None and self._n_saves() != n_saves:
+            self.on_kept(self.index, self.prefix.kept.views())
 
     def _publish_load(self) -> None:
         """What the other groups' chunked prefill reads of this one (engine/budget.py)."""

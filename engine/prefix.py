@@ -75,11 +75,6 @@ def keep_prefix(ctx: Context, n_swa: int, seq_id: int, cached: list[int], n_keep
     return n_keep
 
 
-def cache_on(config: EngineConfig) -> bool:
-    """Whether an engine keeps a prompt cache beyond its slots (engine/prompt_cache.py)."""
-    return config.share_prefix and config.cache_prompt and config.prompt_cache_mib != 0
-
-
 def sharing_on(config: EngineConfig, model: Model) -> bool:
     """Whether an engine's slots share prefixes: asked for, with prompt caching, and a model
     whose state can be cut at a position (not recurrent or hybrid)."""
@@ -169,7 +164,7 @@ class PrefixCache:
         prompt cache: a restore)."""
         if not self.copy(src, dst, n):
             return False
-        if src.id < 0 and self.kept is not None:
+        if self.kept is not None and self.kept.owns(src):
             self.kept.hit(src, n)
         else:
             self.n_copied += n

@@ -47,13 +47,16 @@ from engine.slots import Slot
 LLAMA_MAX_SEQ = 256  # llama.cpp's bound on a context's sequences (src/llama-cparams.h)
 
 
-def n_entries_for(budget_bytes: int, entry_bytes: int, n_groups: int, n_slots_per_group: int) -> int:
+def n_entries_for(budget_bytes: int | None, entry_bytes: int, n_groups: int, n_slots_per_group: int) -> int:
     """Entries per group that ``budget_bytes`` holds, over ``n_groups`` groups, at
-    ``entry_bytes`` each (a slot-sized KV sequence over every stage), within llama.cpp's bound
-    on a context's sequences."""
-    if budget_bytes <= 0 or entry_bytes <= 0:
+    ``entry_bytes`` each (a slot-sized KV sequence over every stage); None: one a slot (as much KV
+    again as the slots). Within llama.cpp's bound on a context's sequences."""
+    if budget_bytes is None:
+        n = n_slots_per_group
+    elif budget_bytes <= 0 or entry_bytes <= 0:
         return 0
-    n = budget_bytes // (entry_bytes * n_groups)
+    else:
+        n = budget_bytes // (entry_bytes * n_groups)
     return int(max(0, min(n, LLAMA_MAX_SEQ - n_slots_per_group)))
 
 
@@ -89,6 +92,11 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self.entries)
 
+    @staticmethod
+    def owns(s: Slot) -> bool:
+        """Whether a sequence is an entry (entries have negative slot ids)."""
+        return s.id < 0
+
     def held(self) -> list[Slot]:
         return [e for e in self.entries if e.cache_tokens]
 
@@ -112,19 +120,20 @@ class PromptCache:
         if empty is not None:
             return empty, False
         newer = [np.asarray(x, np.int32) for x in (tokens, *slots) if len(x)]
+        mine = {e.seq_id: np.asarray(e.cache_tokens, np.int32) for e in self.entries if e.cache_tokens}
 
-        def superseded(e: Slot, strict: bool) -> bool:
+        def continued(e: Slot, by: list[np.ndarray], longer: bool) -> bool:
+            """Whether one of ``by`` holds ``e``'s tokens (but for ``slack`` at their end): of
+            the same length where only that makes ``e`` redundant, longer for a checkpoint."""
             n = len(e.cache_tokens)
-            mine = np.asarray(e.cache_tokens, np.int32)
-            return any(common_prefix(mine, t) >= max(1, n - self.slack) and (len(t) == n or not strict)
-                       for t in newer)
+            return any(common_prefix(mine[e.seq_id], t) >= max(1, n - self.slack)
+                       and (len(t) > n if longer else len(t) == n or not self.exact) for t in by)
 
-        old = [e for e in free if superseded(e, self.exact)]
+        old = [e for e in free if continued(e, newer, longer=False)]
         if not old and self.exact:
             # a checkpoint that a later state of its conversation continues: worth less than a
             # conversation of its own (it serves only a turn that renders the history otherwise)
-            newer += [np.asarray(e.cache_tokens, np.int32) for e in self.entries if e.cache_tokens]
-            old = [e for e in free if any(len(t) > len(e.cache_tokens) for t in newer) and superseded(e, False)]
+            old = [e for e in free if continued(e, newer + [t for k, t in mine.items() if k != e.seq_id], longer=True)]
         if old:
             return min(old, key=lambda e: e.last_used), False
         return min(free, key=lambda e: e.last_used), True

@@ -298,12 +298,7 @@ class Scheduler:
             fit.append(r)
         if not fit or self.aging <= 0:
             return fit[0] if fit else None
-        # what the free slots would reuse: their own KV, or their group's prompt cache
-        groups = {self._views[i].group for i in self._idle}
-        cached = [self._views[i].cached_tokens for i in self._idle] + [
-            t for g in groups for t in self._kept.get(g, ())]
-        here = {r.id: to_evaluate(r.prompt_tokens, cached) for r in fit}
-        away = self._held_away(fit, here)
+        here, away = self._to_evaluate(fit)
         chosen = next((r for r in fit if self._passed.get(r.id, 0) >= self.aging), None)
         if chosen is None:
             mine = [r for r in fit if r.id not in away]
@@ -325,13 +320,28 @@ class Scheduler:
                 self._passed[r.id] = self._passed.get(r.id, 0) + 1
         return chosen
 
-    def _held_away(self, fit: list[Request], here: dict[str, int]) -> set[str]:
-        """The waiting requests whose prompt another group holds clearly more of (in a slot or
-        its prompt cache) than the free slots do."""
-        if not self.share_prefix:
-            return set()
-        anywhere = [v.cached_tokens for v in self._views.values()] + [t for ts in self._kept.values() for t in ts]
-        return {r.id for r in fit if here[r.id] - to_evaluate(r.prompt_tokens, anywhere) >= self.share_min}
+    def _to_evaluate(self, fit: list[Request]) -> tuple[dict[str, int], set[str]]:
+        """For each waiting request, the prompt tokens it would evaluate on a free slot (after
+        the free slots' own KV and their groups' prompt caches), and the requests whose prompt
+        another group holds clearly more of (in a slot or its prompt cache): one pass over what
+        every slot and entry holds."""
+        groups = {self._views[i].group for i in self._idle}
+        held = [(i in self._idle, v.cached_tokens) for i, v in self._views.items()] + [
+            (g in groups, t) for g, ts in self._kept.items() for t in ts]
+        here: dict[str, int] = {}
+        away: set[str] = set()
+        for r in fit:
+            p = np.asarray(r.prompt_tokens, dtype=np.int32)
+            on_free = anywhere = 0
+            for free, t in held:
+                n = common_prefix(t, p)
+                anywhere = max(anywhere, n)
+                if free:
+                    on_free = max(on_free, n)
+            here[r.id] = len(p) - on_free
+            if self.share_prefix and anywhere - on_free >= self.share_min:
+                away.add(r.id)
+        return here, away
 
     def cancel(self, request_id: str) -> bool:
         with self._lock:
@@ -363,9 +373,3 @@ class Scheduler:
         """(running, waiting): waiting for any slot or for a pinned one."""
         with self._lock:
             return len(self._running), len(self._waiting) + sum(len(q) for q in self._pinned.values())
-
-
-def to_evaluate(prompt: list[int], cached: list[np.ndarray]) -> int:
-    """The prompt tokens left to evaluate after the longest of the ``cached`` prefixes."""
-    p = np.asarray(prompt, dtype=np.int32)
-    return len(p) - max((common_prefix(c, p) for c in cached), default=0)

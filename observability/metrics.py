@@ -122,10 +122,9 @@ class EngineMetrics:
         b = self._b
         self.running.labels(**b).set(running)
         self.waiting.labels(**b).set(waiting)
-        self._groups.update(engine.profiles(), engine.slot_views(), time.monotonic() - self._t0)
         sched = engine.scheduler
-        self._groups.elsewhere = (sched.n_elsewhere, sched.n_elsewhere_tokens)
-        self._groups.kv_per_token = engine.kv_bytes_per_token()
+        self._groups.update(engine.profiles(), engine.slot_views(), time.monotonic() - self._t0,
+                            (sched.n_elsewhere, sched.n_elsewhere_tokens), engine.kv_bytes_per_token())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -209,12 +208,14 @@ class _GroupCollector:
         self.elsewhere = (0, 0)  # requests (and their prompt tokens) another group held more of
         self.kv_per_token: dict[str, int] = {}  # device -> KV bytes a token takes on it
 
-    def update(self, snaps: list, views: list, wall: float) -> None:
+    def update(self, snaps: list, views: list, wall: float, elsewhere: tuple[int, int] = (0, 0),
+               kv_per_token: dict[str, int] | None = None) -> None:
         busy: dict[int, tuple[int, int]] = {}
         for v in views:
             n_busy, n = busy.get(v.group, (0, 0))
             busy[v.group] = (n_busy + (v.state != "idle"), n + 1)
         self.snaps, self.busy, self.wall = list(snaps), busy, max(wall, 1e-9)
+        self.elsewhere, self.kv_per_token = elsewhere, kv_per_token or {}
 
     def describe(self):
         return []

@@ -73,6 +73,20 @@ def test_a_save_takes_an_empty_entry_then_a_redundant_one_then_the_least_recentl
     assert c.victim([7, 7, 7, 7], {2, 3, 4}) == (None, False)
 
 
+def test_where_no_prefix_can_be_taken_back_a_checkpoint_a_later_state_continues_goes_first():
+    c = PromptCache(0, first_seq_id=1, n_entries=3, min_tokens=2, slack=2, exact=True)
+    ckpt, final, other = c.entries
+    ckpt.cache_tokens[:] = [1, 2, 3]  # a prompt's checkpoint
+    final.cache_tokens[:] = [1, 2, 3, 4, 5]  # the same conversation after its answer
+    other.cache_tokens[:] = [7, 7, 7, 7, 7, 7, 7, 7]  # a conversation of its own, longer than both
+    for e in (other, ckpt, final):  # other least recently used
+        c.saved(e, False)
+    assert c.victim([9, 9, 9], set()) == (ckpt, False)
+    # with the checkpoint excluded, nothing the others hold is continued by a longer state: an
+    # eviction of the least recently used, however long the other lists are
+    assert c.victim([9, 9, 9], {ckpt.seq_id}) == (other, True)
+
+
 def test_a_save_is_skipped_when_little_would_be_lost_or_an_entry_holds_it_already():
     c = PromptCache(0, first_seq_id=1, n_entries=1, min_tokens=4, slack=0)
     assert not c.worth_saving([1, 2, 3, 4, 5], n_kept=2)  # 3 tokens lost: under min_tokens
