@@ -156,8 +156,10 @@ class BoundedHttpProtocol(KeepsRequestTarget, HttpToolsProtocol):
     The parser's callbacks tell where a request is: ``on_message_begin`` starts a head,
     ``on_headers_complete`` ends it, ``on_message_complete`` ends the request. Bytes read while
     a head is open count against ``max_head_bytes``, and a read is cut at the bound before the
-    parser sees it. A read that ends one request and begins the next (pipelining) counts whole
-    to the next head, which only a pipelining client can notice."""
+    parser sees it. A read holding several pipelined requests is fed one request at a time (a
+    head up to its blank line, a body up to its ``Content-Length``), so each head counts its own
+    bytes however many are buffered; only a chunked body's read, or a head ended by bare line
+    feeds, counts whole to the head that follows it."""
 
     table: Connections  # set on the subclass each server makes (``DirectServer``)
 
@@ -166,6 +168,8 @@ class BoundedHttpProtocol(KeepsRequestTarget, HttpToolsProtocol):
         self._state = IDLE
         self._head_bytes = 0  # bytes of the open head read so far (0 also: none of the next one yet)
         self._n_headers = 0
+        self._tail = b""  # the last bytes of the open head fed, to find its blank line across reads
+        self._body_left: int | None = None  # of the open body, by its Content-Length (None: unknown)
         self._heads_done = 0  # heads completed on this connection
         self._head_timer: asyncio.TimerHandle | None = None
         self._client: str | None = None  # counted in the table under this address
@@ -278,13 +282,17 @@ class BoundedHttpProtocol(KeepsRequestTarget, HttpToolsProtocol):
         view = memoryview(data)
         while view and not self.transport.is_closing() and not self._refused:
             if self._state == BODY:
-                piece, view = view, view[len(view):]
+                n = len(view) if not self._body_left else min(self._body_left, len(view))
+                if self._body_left:
+                    self._body_left -= n
             else:
                 room = limit - self._head_bytes
                 if room <= 0:
                     self._refuse(431, f"request head larger than {limit} bytes (max_head_bytes)")
                     return
-                piece, view = view[:room], view[room:]
+                n = self._head_end(view, room) or room
+                self._tail = (self._tail + bytes(view[max(0, n - 3):n]))[-3:]
+            piece, view = view[:n], view[n:]
             was_open, done = self._state != BODY, self._heads_done
             if not self._feed(piece):
                 return
@@ -299,6 +307,13 @@ class BoundedHttpProtocol(KeepsRequestTarget, HttpToolsProtocol):
             if self._head_bytes > limit:
                 self._refuse(431, f"request head larger than {limit} bytes (max_head_bytes)")
                 return
+
+    def _head_end(self, view: memoryview, room: int) -> int:
+        """Bytes of ``view`` up to and including the blank line that ends the open head, looked
+        for within ``room``; 0 where it is not there."""
+        probe = self._tail + bytes(view[:room])
+        i = probe.find(b"\r\n\r\n")
+        return 0 if i < 0 else i + 4 - len(self._tail)
 
     def _feed(self, piece: memoryview) -> bool:
         """``piece`` to the parser, as uvicorn's ``data_received`` does; False: the connection
@@ -340,6 +355,10 @@ class BoundedHttpProtocol(KeepsRequestTarget, HttpToolsProtocol):
         self._state = BODY
         self._heads_done += 1
         self._head_bytes = 0
+        self._tail = b""
+        sizes = [v for k, v in self.headers if k == b"content-length"]
+        chunked = any(k == b"transfer-encoding" for k, _ in self.headers)
+        self._body_left = int(sizes[0]) if len(sizes) == 1 and sizes[0].isdigit() and not chunked else None
         self._disarm_head_timer()
         super().on_headers_complete()
 

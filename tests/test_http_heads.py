@@ -189,6 +189,31 @@ def test_an_upgrade_is_answered_as_a_request_and_then_closed():
         assert status == 200 and data.endswith(b"127.0.0.1 /up") and closed, data
 
 
+@pytest.mark.parametrize("n", [250, 400])
+def test_pipelined_requests_are_all_answered_in_order(n):
+    """However many requests one write holds (250 are 18 KB, 400 are 29 KB: past the 16 KiB a
+    head may take),
+    each head is counted alone and every request gets its answer, in order; POSTs with bodies
+    among them too."""
+    reqs = []
+    for i in range(n):
+        if i % 5 == 4:
+            body = b"x" * 3000
+            reqs.append(f"POST /p{i} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        else:
+            reqs.append(f"GET /g{i} HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: curl/8.5.0\r\nAccept: */*\r\n\r\n".encode())
+    reqs.append(b"GET /last HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+    with served(max_head_bytes=16 * 1024) as srv:
+        s = srv.connect()
+        s.sendall(b"".join(reqs))
+        _, data, closed = answer_of(s)
+        s.close()
+        bodies = [part.split(b"\r\n\r\n", 1)[1] for part in data.split(b"HTTP/1.1 200 OK")[1:]]
+        want = [f"127.0.0.1 /{'p' if i % 5 == 4 else 'g'}{i}".encode() for i in range(n)] + [b"127.0.0.1 /last"]
+        assert closed and srv.table.refused == {}
+        assert [b[:len(w)] for b, w in zip(bodies, want, strict=False)] == want[:len(bodies)] and len(bodies) == n + 1
+
+
 @pytest.mark.parametrize("head", [
     b"GET /x HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * (1 << 20),  # one endless header
     b"GET /" + b"a" * (1 << 20),  # an endless request line
