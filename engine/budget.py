@@ -43,11 +43,14 @@ row is exempt, so a stream of short prompts never starves it.
 
 One budget and one cost model are shared by the engine's groups (they run the same model on
 the same stages); each group writes its own step times and its counts of generating rows, of
-prompts waiting and of short prompts among them, and reads the others'.
+prompts waiting and of short prompts among them, and reads the others'. Every reading and
+writing method holds the budget's lock: the groups' threads write the shared lists and the
+cost model's sums (read-modify-write) on the step's path.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 from engine.cost import StepCost
@@ -72,6 +75,12 @@ class PrefillBudget:
         self.short = [0] * n_groups  # short prompts among them (published when one starts too)
         self.carrying = [0] * n_groups  # prompt tokens of each group's step in flight
         self.overlapped = [False] * n_groups  # its step in flight ran beside another group's prompt tokens
+        self._lock = threading.Lock()
+
+    def publish(self, group: int, decoding: int, prompting: int, short: int) -> None:
+        """``group``'s counts after its step: generating rows, prompts waiting, short ones among them."""
+        with self._lock:
+            self.decoding[group], self.prompting[group], self.short[group] = decoding, prompting, short
 
     def begin(self, group: int, n_prompt: int) -> None:
         """``group``'s step with ``n_prompt`` prompt tokens starts. A step of another group in
@@ -80,15 +89,20 @@ class PrefillBudget:
         decode step costs, and is kept out of the decode line (``observe``). Counted into the
         line, those slowed steps would raise the reference the gap bound multiplies, so the
         chunks would grow, slow the others' steps more, and grow again."""
-        self.carrying[group] = n_prompt
-        self.overlapped[group] = any(k for g, k in enumerate(self.carrying) if g != group)
-        if n_prompt:
-            for g in range(len(self.overlapped)):
-                if g != group:
-                    self.overlapped[g] = True
+        with self._lock:
+            self.carrying[group] = n_prompt
+            self.overlapped[group] = any(k for g, k in enumerate(self.carrying) if g != group)
+            if n_prompt:
+                for g in range(len(self.overlapped)):
+                    if g != group:
+                        self.overlapped[g] = True
 
     def end(self, group: int) -> bool:
         """``group``'s step is over (run or failed); whether it ran beside another's prompt tokens."""
+        with self._lock:
+            return self._end(group)
+
+    def _end(self, group: int) -> bool:
         overlapped, self.overlapped[group] = self.overlapped[group], False
         self.carrying[group] = 0
         return overlapped
@@ -96,13 +110,18 @@ class PrefillBudget:
     def observe(self, n_rows: int, n_prompt: int, seconds: float, group: int = 0) -> None:
         """A step of ``group`` ran for ``seconds``: ``n_prompt`` prompt tokens beside ``n_rows``
         generating rows. A decode step that ran beside another group's chunk is not learnt from."""
-        if self.end(group) and n_prompt == 0:
-            return
-        self.cost.observe(n_rows, n_prompt, seconds)
+        with self._lock:
+            if self._end(group) and n_prompt == 0:
+                return
+            self.cost.observe(n_rows, n_prompt, seconds)
 
     def tokens(self, group: int, n_generating: int, capacity: int, n_prompting: int = 1) -> int:
         """The most prompt tokens the next step of ``group`` may carry (its own generating rows
         ``n_generating`` and prompts waiting ``n_prompting``; the batch holds ``capacity``)."""
+        with self._lock:
+            return self._tokens(group, n_generating, capacity, n_prompting)
+
+    def _tokens(self, group: int, n_generating: int, capacity: int, n_prompting: int) -> int:
         others = [g for g in range(len(self.decoding)) if g != group]
         decoding = n_generating + sum(self.decoding[g] for g in others)
         prompting = n_prompting + sum(self.prompting[g] for g in others)
@@ -159,8 +178,9 @@ class PrefillBudget:
         else None (no cut)."""
         if self.beside_short is None:
             return None
-        if n_short or any(k for g, k in enumerate(self.short) if g != group):
-            return self.beside_short
+        with self._lock:
+            if n_short or any(k for g, k in enumerate(self.short) if g != group):
+                return self.beside_short
         return None
 
 

@@ -18,8 +18,8 @@ learn that the whole batch is cheaper a token (engine/budget.py).
 Nothing here knows the device: the figures are the steps' own, on a CPU (a prompt token costs a
 fair share of a row) as on a GPU (a chunk of hundreds costs little more than a decode step).
 The groups of an engine share one model (same weights, same stages); each group's thread writes
-it after its steps and reads it before them. Every write replaces a whole float or list, so a
-reader sees each figure whole; a figure a step old changes nothing that matters.
+it after its steps and reads it before them, always under the prefill budget's lock
+(engine/budget.py): a write reads the sums it replaces.
 """
 
 from __future__ import annotations

@@ -320,9 +320,8 @@ class PipelineGroup:
 
     def _publish_load(self) -> None:
         """What the other groups' chunked prefill reads of this one (engine/budget.py)."""
-        self.budget.decoding[self.index] = len(generating(self.active))
-        self.budget.prompting[self.index] = len(prompting(self.active))
-        self.budget.short[self.index] = n_short(self.active, self.config.prefill_long_tokens)
+        self.budget.publish(self.index, len(generating(self.active)), len(prompting(self.active)),
+                            n_short(self.active, self.config.prefill_long_tokens))
 
     def _drafts(self) -> dict[int, list[int]]:
         """This step's drafts (slot id -> tokens), when the group speculates this step."""

@@ -15,6 +15,8 @@ from engine.planner import plan_step
 from engine.slots import SlotState
 from tests.test_step_parts import busy
 
+WAIT_S = 60.0
+
 
 def cpu(rows: int, k: int) -> float:
     """A CPU's step: 50 ms and 12.5 ms a row; a chunk costs 30 ms and 3.3 ms a token (so 8
@@ -315,3 +317,35 @@ def test_where_small_chunks_cost_much_more_a_token_the_rate_bound_stops_at_its_g
 def _first_rate(hw, rows: int, capacity: int, min_rate: float) -> int:
     full = capacity / hw(rows, capacity)
     return next(k for k in range(1, capacity + 1) if k / hw(rows, k) >= min_rate * full)
+
+
+def test_the_groups_threads_read_and_write_the_budget_one_at_a_time():
+    """The groups' threads share the lists and the cost model's sums: a read (the next step's
+    chunk) never runs while another group's step time is being learnt, so it sees the model
+    before or after that write, whole."""
+    entered, gate = threading.Event(), threading.Event()
+
+    class HeldCost(StepCost):
+        def observe(self, rows: int, k: int, seconds: float) -> None:
+            entered.set()
+            assert gate.wait(WAIT_S)
+            super().observe(rows, k, seconds)
+
+    b = PrefillBudget(2, gap_factor=2.0, cost=HeldCost())
+    writer = threading.Thread(target=b.observe, args=(4, 0, 0.1, 0))
+    writer.start()
+    assert entered.wait(WAIT_S)
+    got: list[object] = []
+    readers = [threading.Thread(target=lambda: got.append(b.tokens(1, 4, 512, 1))),
+               threading.Thread(target=lambda: got.append(b.publish(1, 3, 1, 0))),
+               threading.Thread(target=lambda: got.append(b.begin(1, 8)))]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join(0.5)
+    assert got == [] and all(t.is_alive() for t in readers)  # each waits for the write
+    gate.set()
+    writer.join(WAIT_S)
+    for t in readers:
+        t.join(WAIT_S)
+    assert len(got) == 3 and b.cost.base(4) == pytest.approx(0.1)
