@@ -403,7 +403,7 @@ class Ingress:
             del api_req, req, res
             if stream:
                 resp: Response = StreamingResponse(
-                    self._guarded(rid, self._sse(rid, p, shaper, ep)), media_type="text/event-stream",
+                    self._guarded(rid, self._sse(rid, p, shaper, ep), shaper.failed), media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                     background=BackgroundTask(self._release, rid))  # also when the client is gone before it starts
             elif self.http is not None:  # no proxy to cancel this call when its client leaves
@@ -445,16 +445,22 @@ class Ingress:
             if out:
                 yield out
 
-    async def _guarded(self, rid: str, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """A stream that ends with an error event, not a dropped connection, when shaping an
-        event fails after the first byte, and releases its request however it ends."""
+    async def _guarded(self, rid: str, events: AsyncIterator[bytes],
+                       failed: Callable[[int, str], bytes]) -> AsyncIterator[bytes]:
+        """A stream that ends with an error event in the endpoint's own shape (``failed``, the
+        shaper's), not a dropped connection, when shaping an event fails after the first byte,
+        and releases its request however it ends."""
         try:
             async for chunk in events:
                 yield chunk
         except Exception as e:
             log.exception("stream of %s failed", rid)
             self.internal_errors += 1
-            yield b"data: " + json.dumps(openai_error(500, f"the stream failed: {type(e).__name__}")).encode() + b"\n\n"
+            message = f"the stream failed: {type(e).__name__}"
+            try:
+                yield failed(500, message)
+            except Exception:  # the shaper itself is what failed
+                yield b"data: " + json.dumps(openai_error(500, message)).encode() + b"\n\n"
         finally:
             await self._release(rid)
 

@@ -4,6 +4,7 @@ connection, request preparation off the loop, the frozen-peer watchdog and the d
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -360,3 +361,38 @@ def test_ingress_health_is_503_while_its_output_stream_is_down(monkeypatch):
             t.cancel()
 
     asyncio.run(main())
+
+
+def test_a_stream_that_fails_mid_way_ends_with_its_endpoints_own_error_event():
+    """Shaping fails after the first bytes went out: the stream ends with an error event in the
+    endpoint's shape (an Anthropic stream gets Anthropic's ``error`` event, not OpenAI's error
+    body), and the request is released."""
+    from deployments.api.anthropic import MessagesShaper
+    from deployments.ingress import Ingress
+
+    cls = Ingress.func_or_class.__mro__[1]
+    ing = object.__new__(cls)
+    ing.internal_errors = 0
+    released: list[str] = []
+
+    async def release(rid: str) -> None:
+        released.append(rid)
+
+    ing._release = release
+
+    async def events() -> Any:
+        yield b"event: message_start\ndata: {}\n\n"
+        raise KeyError("a shaping bug")
+
+    shaper = object.__new__(MessagesShaper)  # its error event needs none of its state
+
+    async def main() -> list[bytes]:
+        return [c async for c in ing._guarded("r1", events(), shaper.failed)]
+
+    chunks = asyncio.run(main())
+    assert len(chunks) == 2 and released == ["r1"] and ing.internal_errors == 1
+    kind, data = chunks[1].decode().strip().split("\n")
+    assert kind == "event: error"
+    body = json.loads(data.removeprefix("data: "))
+    assert body["type"] == "error" and body["error"]["type"] == "api_error"
+    assert body["error"]["message"] == "the stream failed: KeyError"
