@@ -160,6 +160,7 @@ def _split_engine(a: AppArgs, topo: TopologyChoice):  # noqa: ANN202 - a bound d
             engine_actor["resources"] = {LOCAL_RESOURCE: 0.01}
     return EngineDeployment.options(ray_actor_options=engine_actor, num_replicas=a.replicas, **engine_opts).bind(
         cfg.model_dump(), stage_timeout_s=a.stage_timeout_s,
+        stall={"factor": a.stage_stall_factor, "floor_s": a.stage_stall_floor_s},
         pair_stage=a.rpc.model_dump() if pairs else None, topology=topo.as_dict(),
     )
 

@@ -148,8 +148,19 @@ class AppArgs(EngineConfig):
         "loopback address (DNS rebinding: other Host names are refused with 403); '*' turns the check off.")
     stage_timeout_s: float = Field(
         default=60.0, gt=0,
-        description="A decode step that waits this long on the RPC stage (a frozen peer) fails the "
-        "requests in flight with 503 and restarts the engine replica; well above the slowest step.",
+        description="The longest a decode step may wait on the RPC stage, whatever it does: past it the "
+        "requests in flight fail with 503 (resumed by the ingress) and the engine replica restarts; well "
+        "above the slowest step. A stage that stops answering is found sooner (stage_stall_factor).",
+    )
+    stage_stall_factor: float = Field(
+        default=10.0, ge=2,
+        description="A decode that has run this many times what the cost model expects of its step (at least "
+        "stage_stall_floor_s), while neither its thread nor the stage's server works, is a frozen stage: "
+        "handled as at stage_timeout_s, within seconds (deployments/watchdog.py).",
+    )
+    stage_stall_floor_s: float = Field(
+        default=5.0, gt=0,
+        description="The least time a decode runs before it may be judged frozen by stage_stall_factor.",
     )
     resume_limit: int = Field(
         default=3, ge=0, le=100,

@@ -27,6 +27,7 @@ from deployments.api.values import Prepared, ResumeSpec, Submitted
 from deployments.args import PEER_RESOURCE, RpcArgs
 from deployments.router import STATS_PERIOD_S, Route
 from deployments.streams import EngineStreams
+from deployments.watchdog import StallJudge
 from engine import (
     Engine,
     EngineConfig,
@@ -35,7 +36,7 @@ from engine import (
     RequestError,
     SlotBusyError,
 )
-from engine.types import SHUTTING_DOWN
+from engine.types import SHUTTING_DOWN, Fault
 from observability.live import LiveFigures
 from observability.metrics import EngineMetrics
 from observability.process import rss_bytes
@@ -90,8 +91,10 @@ LARGE_BODY_BYTES = 64 * 1024
 class EngineDeployment:
     async def __init__(self, config: dict[str, Any], stage_wait_s: float = 300.0,
                        stage_timeout_s: float | None = 60.0, pair_stage: dict[str, Any] | None = None,
-                       topology: dict[str, Any] | None = None, peer_cpus: list[int] | None = None) -> None:
+                       topology: dict[str, Any] | None = None, peer_cpus: list[int] | None = None,
+                       stall: dict[str, float] | None = None) -> None:
         """``pair_stage`` (the app's ``rpc`` settings): this replica starts its own stage.
+        ``stall``: the frozen-stage watchdog's ``factor`` and ``floor_s`` (deployments/watchdog.py).
         ``topology``: the application's shape and why (deployments/topology.py). ``peer_cpus``
         (replicas): the cores of a peer node's replica, where the stage would have run."""
         for name in ("engine", "deployments", "observability"):
@@ -126,6 +129,7 @@ class EngineDeployment:
         self.figures = LiveFigures(self.engine, self.config, self.metrics, lambda: self._stage_health(),
                                    self._replica, self.topology)
         self.stage_timeout_s = stage_timeout_s if self.config.rpc_endpoints else None
+        self._stall = StallJudge(stage_timeout_s or 60.0, **(stall or {}))
         self._watchdog = self.loop.create_task(self._watch()) if self.stage_timeout_s else None
         log.info("engine replica %s serving %s", self._replica, self.model_name)
 
@@ -144,23 +148,30 @@ class EngineDeployment:
     # ---- the frozen-peer watchdog -----------------------------------------------------------
 
     async def _watch(self) -> None:
-        """A decode that has not returned for ``stage_timeout_s`` means the peer stopped
-        answering with the connection still open. llama.cpp cannot be interrupted there, so
-        the replica fails what it holds (the ingress resumes it elsewhere), asks the stage
-        actor for a fresh server in place of the frozen one, reports itself unhealthy and is
-        replaced by Serve; the new replica connects to the fresh server, so recovery does not
-        wait for the frozen process to wake."""
+        """A decode judged frozen (deployments/watchdog.py: past a few times its expected step,
+        with neither its thread nor the stage's server working; or past ``stage_timeout_s``)
+        means the peer stopped answering with the connection still open. llama.cpp cannot be
+        interrupted there, so the replica fails what it holds (the ingress resumes it
+        elsewhere), asks the stage actor for a fresh server in place of the frozen one, reports
+        itself unhealthy and is replaced by Serve; the new replica connects to the fresh server,
+        so recovery does not wait for the frozen process to wake."""
         assert self.stage_timeout_s is not None
+        judge = self._stall
+        judge.ceiling_s = self.stage_timeout_s
+        health: dict | None = None
         while self._failed is None:
             await asyncio.sleep(min(1.0, self.stage_timeout_s / 4))
-            stalled = self.engine.stalled_for()
-            if stalled > self.stage_timeout_s:
-                health = await self._stage_health()
-                self._fail_replica(
-                    f"the RPC stage did not answer for {stalled:.0f} s (stage_timeout_s "
-                    f"{self.stage_timeout_s:.0f}); the engine replica restarts"
-                )
-                await self._replace_stage_server(health)
+            decodes = self.engine.decodes()
+            if not decodes:
+                judge.frozen([], None)
+                continue
+            # the stage's CPU is asked for only while a decode has run past its limit
+            late = any(d.seconds > judge.limit(d) for d in decodes)
+            health = await self._stage_health() if late else None
+            frozen = judge.frozen(decodes, (health or {}).get("cpu_seconds") if late else None)
+            if frozen is not None:
+                self._fail_replica(judge.reason(frozen), Fault.STAGE_FROZEN)
+                await self._replace_stage_server(health or await self._stage_health())
 
     async def _replace_stage_server(self, health: dict | None) -> None:
         """Have the stage actor replace the server process that froze (``health``: the stage
@@ -180,11 +191,11 @@ class EngineDeployment:
         if replaced:
             log.warning("the stage's frozen server (pid %s) was replaced by a fresh one", pid)
 
-    def _fail_replica(self, reason: str) -> None:
+    def _fail_replica(self, reason: str, fault: Fault) -> None:
         log.error("%s", reason)
         self._failed = reason
         self.metrics.set_stage_up(False)
-        self.out.cut_all(reason)
+        self.out.cut_all(reason, fault)
 
     # ---- outputs ----------------------------------------------------------------------------
 
@@ -278,7 +289,7 @@ class EngineDeployment:
         for rid in list(self.out.owner):
             self.engine.cancel(rid)
         # cancelled, but their clients are still there: they get an error
-        return {"cut": self.out.cut_all(SHUTTING_DOWN)}
+        return {"cut": self.out.cut_all(SHUTTING_DOWN, Fault.SHUTDOWN)}
 
     def tables(self) -> dict:
         """Sizes of every per-request table (a leak shows here)."""

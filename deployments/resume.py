@@ -25,12 +25,11 @@ from typing import Any
 from deployments.api.values import Submitted
 from deployments.router import Route
 from deployments.streams import STREAM_LOST, IngressStreams, Pending, detached
-from engine.types import SHUTTING_DOWN, FinishReason, Output
+from engine.types import Fault, FinishReason, Output
 from observability.resume import ResumeMetrics
 
 log = logging.getLogger(__name__)
 
-STAGE_FROZEN = "the RPC stage did not answer"  # how the watchdog's error begins
 MAX_BACKOFF_S = 1.0  # between a resume's tries while no replica takes it
 
 
@@ -40,16 +39,12 @@ class ResumeSettings:
     wait_s: float = 120.0  # how long a resume waits for a replica to take it
 
 
-def fault_cause(o: Output) -> str | None:
-    """The fault that ended ``o``'s request, as the resume metrics label it; None: not a fault
-    (it finished, or the client's own error, or a shutdown)."""
-    if o.finish_reason is not FinishReason.ERROR or o.status != 503 or o.error == SHUTTING_DOWN:
+def fault_cause(o: Output) -> Fault | None:
+    """The fault that ended ``o``'s request, to resume it from (its value the resume metrics'
+    label); None: not a fault (it finished, or the client's own error, or a shutdown)."""
+    if o.finish_reason is not FinishReason.ERROR or o.fault is Fault.SHUTDOWN:
         return None
-    if o.error == STREAM_LOST:
-        return "replica_lost"
-    if (o.error or "").startswith(STAGE_FROZEN):
-        return "stage_frozen"
-    return "engine_failed"
+    return o.fault
 
 
 class Resumer:
@@ -149,7 +144,7 @@ class Resumer:
                         c.resuming, c.given_up = False, True
                         self.metrics.failed("unresumable")
                         p.queue.put_nowait(Output(eid, "", 0, FinishReason.ERROR, error=f"{STREAM_LOST} (not resumed: "
-                                                  f"{why})", status=503))
+                                                  f"{why})", status=503, fault=Fault.REPLICA_LOST))
                         return
                 try:
                     await asyncio.wait_for(self.out.changes().wait(), min(backoff, max(0.0, deadline - time.monotonic())))
@@ -165,7 +160,7 @@ class Resumer:
         c.given_up = True
         self.metrics.failed("wait")
         wait = f"no engine replica took it within resume_wait_s {self.settings.wait_s:g}"
-        p.queue.put_nowait(Output(eid, "", 0, FinishReason.ERROR, status=503,
+        p.queue.put_nowait(Output(eid, "", 0, FinishReason.ERROR, status=503, fault=Fault.REPLICA_LOST,
                                   error=f"{STREAM_LOST} (not resumed: {wait}{'; ' + why if why else ''})"))
 
     async def _cancel(self, eid: str, replica: str | None) -> None:

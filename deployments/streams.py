@@ -25,7 +25,7 @@ from typing import Any
 
 from deployments.api.base import ApiError, member_ids
 from deployments.router import known_replicas
-from engine.types import FinishReason, Output
+from engine.types import Fault, FinishReason, Output
 
 log = logging.getLogger(__name__)
 
@@ -125,13 +125,13 @@ class EngineStreams:
             conn.queue.put_nowait(CLOSE)
         return conn is not None
 
-    def cut_all(self, reason: str) -> int:
-        """End every request with a 503 towards its client, and close every stream (Serve's
-        drain of this replica must not wait on them)."""
+    def cut_all(self, reason: str, fault: Fault) -> int:
+        """End every request with a 503 towards its client (``fault``: what failed it), and
+        close every stream (Serve's drain of this replica must not wait on them)."""
         cut = list(self.owner.items())
         for rid, conn in cut:
             conn.requests.discard(rid)
-            conn.queue.put_nowait([Output(rid, "", 0, FinishReason.ERROR, error=reason, status=503)])
+            conn.queue.put_nowait([Output(rid, "", 0, FinishReason.ERROR, error=reason, status=503, fault=fault)])
         self.owner.clear()
         for conn in self.conns.values():
             conn.queue.put_nowait(CLOSE)
@@ -337,7 +337,8 @@ class IngressStreams:
         for p in lost.values():
             for c in p.choices:
                 if c.conn == conn and not c.done and not c.resuming:
-                    p.queue.put_nowait(Output(c.engine_id, "", 0, FinishReason.ERROR, error=STREAM_LOST, status=503))
+                    p.queue.put_nowait(Output(c.engine_id, "", 0, FinishReason.ERROR, error=STREAM_LOST, status=503,
+                                                    fault=Fault.REPLICA_LOST))
 
     def changes(self) -> asyncio.Event:
         """An event set the next time the set of streams changes."""

@@ -82,6 +82,12 @@ class PrefillBudget:
         with self._lock:
             self.decoding[group], self.prompting[group], self.short[group] = decoding, prompting, short
 
+    def expected(self, n_rows: int, n_prompt: int) -> float | None:
+        """Seconds the cost model expects a step of ``n_rows`` generating rows and ``n_prompt``
+        prompt tokens to take (None: no such step learnt yet)."""
+        with self._lock:
+            return self.cost.step(n_rows, n_prompt)
+
     def begin(self, group: int, n_prompt: int) -> None:
         """``group``'s step with ``n_prompt`` prompt tokens starts. A step of another group in
         flight meanwhile waits for this one's chunk on the shared stages, and so does one that

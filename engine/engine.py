@@ -39,7 +39,7 @@ from engine.slots import Slot, SlotView
 from engine.speculative import load_draft_model
 from engine.text import TextStream
 from engine.tokenizer import Tokenizer, TokenLimit
-from engine.types import Output, Request, RequestError
+from engine.types import Decode, Output, Request, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -419,8 +419,14 @@ class Engine:
 
     def stalled_for(self) -> float:
         """Seconds the longest decode in progress has run (0.0 when none runs)."""
+        return max((d.seconds for d in self.decodes()), default=0.0)
+
+    def decodes(self) -> list[Decode]:
+        """The decodes in progress, one per group in a step: how long each has run, what the
+        cost model expected of it, and its thread's CPU seconds (deployments/watchdog.py)."""
         now = time.monotonic()
-        return max((now - g.decode_since for g in self.groups if g.decode_since), default=0.0)
+        return [Decode(g.index, now - since, g.decode_expected_s, g.thread_cpu_s())
+                for g in self.groups if (since := g.decode_since)]
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the groups (their requests end with a shutting-down error) and free the model.

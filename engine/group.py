@@ -36,7 +36,7 @@ from engine.processor import OutputProcessor, final_output
 from engine.runner import Runner
 from engine.slots import Slot, SlotState, SlotView
 from engine.tokenizer import Tokenizer
-from engine.types import SHUTTING_DOWN, FinishReason, Output, Request
+from engine.types import SHUTTING_DOWN, Fault, FinishReason, Output, Request
 from observability.process import name_this_thread
 from observability.profiler import GroupProfiler
 
@@ -110,7 +110,11 @@ class PipelineGroup:
         # when the step in progress began, 0.0 between steps: a step stuck in native code
         # (decode, a sampler, a grammar mask) past the engine's step budget is seen by this
         self.step_since = 0.0
+        # what the cost model expects the decode in progress to take (None: nothing learnt yet):
+        # the frozen-stage watchdog's measure of "too long" (deployments/watchdog.py)
+        self.decode_expected_s: float | None = None
         self._thread = threading.Thread(target=self._run, name=f"pgroup-{index}", daemon=True)
+        self._cpu_clock: int | None = None
 
     @property
     def ctx(self):  # noqa: ANN201 - the runner's context, for diagnostics and tests
@@ -119,6 +123,16 @@ class PipelineGroup:
     @property
     def decode_since(self) -> float:
         return self.runner.decode_since
+
+    def thread_cpu_s(self) -> float | None:
+        """CPU seconds the group's thread has run (None: not running): one blocked on a stage
+        that does not answer does not advance it; one computing the local stage does."""
+        try:
+            if self._cpu_clock is None and self._thread.ident is not None:
+                self._cpu_clock = time.pthread_getcpuclockid(self._thread.ident)
+            return None if self._cpu_clock is None else time.clock_gettime(self._cpu_clock)
+        except (OSError, AttributeError):  # the thread ended, or no per-thread clocks here
+            return None
 
     # ---- lifecycle (any thread) -------------------------------------------------------------
 
@@ -177,7 +191,8 @@ class PipelineGroup:
             self.error = f"pipeline group {self.index} failed: {e}"
             outs = []
             for s in list(self.active):
-                outs.append(self._finish(s, FinishReason.ERROR, "", error=self.error, status=503, release=False))
+                outs.append(self._finish(s, FinishReason.ERROR, "", error=self.error, status=503, release=False,
+                                         fault=Fault.ENGINE))
             self._drain_after_death(outs)
 
     def _drain_after_death(self, outs: list[Output]) -> None:
@@ -192,7 +207,8 @@ class PipelineGroup:
                 return
             if isinstance(msg, StartMsg):
                 r = msg.request
-                self.sink([Output(r.id, "", 0, FinishReason.ERROR, len(r.prompt_tokens), error=self.error, status=503)])
+                self.sink([Output(r.id, "", 0, FinishReason.ERROR, len(r.prompt_tokens), error=self.error, status=503,
+                                  fault=Fault.ENGINE)])
                 self.on_release(self._by_id[r.slot_id].view(), True)
             elif isinstance(msg, SlotOpMsg):
                 msg.reply.set_exception(RuntimeError(self.error))
@@ -228,7 +244,8 @@ class PipelineGroup:
                 except Exception as e:
                     msg.reply.set_exception(e)
         elif isinstance(msg, _StopMsg):
-            outs = [self._finish(s, FinishReason.ERROR, "", error=SHUTTING_DOWN, status=503, release=False)
+            outs = [self._finish(s, FinishReason.ERROR, "", error=SHUTTING_DOWN, status=503, release=False,
+                                 fault=Fault.SHUTDOWN)
                     for s in list(self.active)]
             if outs:
                 self.sink(outs)
@@ -273,6 +290,7 @@ class PipelineGroup:
             runner.fill(plan)
         n_prompt = sum(len(e.tokens) for e in plan.entries if e.slot.state is SlotState.PROMPT)
         budget.begin(self.index, n_prompt)
+        self.decode_expected_s = budget.expected(n_rows, n_prompt)
         t0 = time.perf_counter()
         try:
             # the thread's CPU time in decode: the local stage's compute when it runs on the CPU

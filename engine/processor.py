@@ -24,7 +24,7 @@ from engine.runner import Runner
 from engine.sampling import token_logprobs
 from engine.slots import Slot, SlotState
 from engine.tokenizer import Tokenizer
-from engine.types import FinishReason, Output
+from engine.types import Fault, FinishReason, Output
 from observability.profiler import GroupProfiler
 
 
@@ -51,7 +51,7 @@ class Processed:
 
 def final_output(s: Slot, reason: FinishReason, text: str, *, error: str | None = None, status: int = 0,
                  n_tokens: int = 0, logprobs: tuple | None = None, tokens: tuple[int, ...] = (),
-                 stop_word: str | None = None) -> Output:
+                 stop_word: str | None = None, fault: Fault | None = None) -> Output:
     """The last output of the request on slot ``s``, with its figures."""
     r = s.req
     return Output(
@@ -70,6 +70,7 @@ def final_output(s: Slot, reason: FinishReason, text: str, *, error: str | None 
         logprobs=logprobs,
         tokens=tokens,
         stop_word=stop_word,
+        fault=fault,
         slot=s.id,
     )
 

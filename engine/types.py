@@ -27,6 +27,25 @@ class FinishReason(StrEnum):
         return self in (FinishReason.ERROR, FinishReason.CANCELLED)
 
 
+class Fault(StrEnum):
+    """What failed a request that ended with an error other than its own (``Output.fault``; None:
+    the request's own error). The values are the resume metrics' labels."""
+
+    ENGINE = "engine_failed"  # a pipeline group died (a compute failure: its stage was lost)
+    STAGE_FROZEN = "stage_frozen"  # the watchdog: the stage stopped answering, the replica restarts
+    REPLICA_LOST = "replica_lost"  # the ingress lost the engine replica's output stream
+    SHUTDOWN = "shutting_down"  # the replica drains (Serve stops it): retried, never resumed
+
+
+class Decode(NamedTuple):
+    """A group's decode in progress, as the frozen-stage watchdog reads it."""
+
+    group: int
+    seconds: float  # since it began
+    expected_s: float | None  # what the cost model expected it to take (None: nothing learnt yet)
+    thread_cpu_s: float | None  # the group thread's CPU seconds so far (None: unknown)
+
+
 @dataclass(eq=False)
 class Request:
     """A request as the engine runs it. Immutable once submitted, but for ``slot_id``."""
@@ -79,3 +98,4 @@ class Output(NamedTuple):
     slot: int = -1  # on the final output: the slot that ran the request
     # return_progress: after a prompt chunk, (processed, total, cached, ms since the slot started)
     progress: tuple[int, int, int, int] | None = None
+    fault: Fault | None = None  # with finish_reason "error": what failed it, when not the request itself

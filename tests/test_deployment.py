@@ -15,7 +15,7 @@ import pytest
 from deployments.api.openai import CompletionRequest
 from deployments.api.values import Submitted
 from deployments.engine_deployment import NOT_CONNECTED, EngineDeployment
-from engine.types import SHUTTING_DOWN, Output
+from engine.types import SHUTTING_DOWN, Decode, Output
 
 LONG = {"prompt": "a long request", "max_tokens": 100_000, "ignore_eos": True}
 SHORT = {"prompt": "a short request", "max_tokens": 4}
@@ -119,7 +119,7 @@ def test_the_watchdog_fails_in_flight_requests_and_reports_unhealthy(model_path)
         s = await connect(d, "ingress-1", "c")
         assert isinstance(await d.submit("c", "r1", CompletionRequest(**LONG)), Submitted)
         await next_outputs(s)
-        d.engine.stalled_for = lambda: 10.0  # a decode blocked for 10 s on the peer
+        d.engine.decodes = lambda: [Decode(0, 10.0, None, 1.0)]  # a decode blocked for 10 s on the peer
         deadline = time.monotonic() + 10
         final = None
         while final is None:

@@ -20,7 +20,7 @@ import pytest
 from deployments.api.values import Continuation, ResumeSpec, Submitted, _ids
 from deployments.engine_deployment import NOT_CONNECTED
 from deployments.router import routing_text
-from engine.types import FinishReason, Output
+from engine.types import Fault, FinishReason, Output
 from tests.fake_handle import FakeHandle
 
 SPACE = 2**32 - 1
@@ -140,9 +140,9 @@ class FakeEngine(FakeHandle):
 
     def _cue(self, r: Replica, cue: str) -> None:
         if cue in ("fail", "cut", "error"):
-            status, error = (400, "the request's own error") if cue == "error" else \
-                (503, STAGE_FROZEN if cue == "cut" else GROUP_DIED)
-            r.queue.put_nowait([Output(eid, "", 0, FinishReason.ERROR, error=error, status=status)
+            status, error, fault = (400, "the request's own error", None) if cue == "error" else \
+                (503, STAGE_FROZEN, Fault.STAGE_FROZEN) if cue == "cut" else (503, GROUP_DIED, Fault.ENGINE)
+            r.queue.put_nowait([Output(eid, "", 0, FinishReason.ERROR, error=error, status=status, fault=fault)
                                 for eid in r.running])
             r.running.clear()
         if cue in ("die", "cut"):
