@@ -7,8 +7,14 @@ PIP := $(VENV)/bin/pip
 LLAMA_CPP_VERSION := 0.3.36
 CONFIG ?= deployments/configs/local.yaml
 
-# CUDA is built in when nvcc exists and a GPU is visible; GGML_CUDA=on|off overrides.
-GGML_CUDA ?= $(shell command -v nvcc >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo on || echo off)
+# CUDA is built in when nvcc exists (on PATH, or where the CUDA toolkit installs it: DGX OS's
+# /usr/local/cuda is not on a plain shell's PATH) and a GPU is visible; GGML_CUDA=on|off overrides.
+NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+GGML_CUDA ?= $(shell test -n "$(NVCC)" && nvidia-smi -L >/dev/null 2>&1 && echo on || echo off)
+# The GPU code is compiled for the GPU this machine has (a DGX Spark's GB10: sm_121; ggml's own
+# default without GGML_NATIVE is seven architectures, several times the build). Building
+# without the GPU visible: CUDA_ARCH=121a-real (GB10), 90-real (H100/H200), 89-real (L4/RTX 40).
+CUDA_ARCH ?= native
 LLAMA_VARIANT := $(if $(filter on,$(GGML_CUDA)),cuda,cpu)
 # x86-64: the instruction sets this CPU reports, but never AMX: -march=native compiles ggml's
 # AMX kernels (used for q4/q8 weights) where the CPU lists AMX, and a virtual machine that
@@ -22,7 +28,7 @@ CPU_FLAGS := -DGGML_NATIVE=OFF -DGGML_AVX=$(call cpu_has,avx) -DGGML_AVX2=$(call
 	-DGGML_AVX_VNNI=$(call cpu_has,avx_vnni) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 endif
 CMAKE_FLAGS := -DGGML_RPC=on -DLLAMA_CURL=off -DLLAMA_BUILD_TESTS=off -DLLAMA_BUILD_EXAMPLES=off $(CPU_FLAGS) \
-	$(if $(filter on,$(GGML_CUDA)),-DGGML_CUDA=on,)
+	$(if $(filter on,$(GGML_CUDA)),-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCH) $(if $(NVCC),-DCMAKE_CUDA_COMPILER=$(NVCC)),)
 # The wheel leaves out llava/mtmd (multimodal, unused here; about a fifth of the build).
 WHEEL_CMAKE_FLAGS := $(CMAKE_FLAGS) -DLLAVA_BUILD=off
 # The built wheel is kept here, keyed by the build flags, so later installs do not rebuild.

@@ -27,7 +27,7 @@ from deployments.api.values import Prepared, ResumeSpec, Submitted
 from deployments.args import PEER_RESOURCE, RpcArgs
 from deployments.router import STATS_PERIOD_S, Route
 from deployments.streams import EngineStreams
-from deployments.watchdog import StallJudge
+from deployments.watchdog import LATE_POLL_S, StallJudge
 from engine import (
     Engine,
     EngineConfig,
@@ -159,11 +159,14 @@ class EngineDeployment:
         judge = self._stall
         judge.ceiling_s = self.stage_timeout_s
         health: dict | None = None
+        late = False
         while self._failed is None:
-            await asyncio.sleep(min(1.0, self.stage_timeout_s / 4))
+            # polled faster once a decode is late: its idleness is confirmed a poll later
+            await asyncio.sleep(LATE_POLL_S if late else min(1.0, self.stage_timeout_s / 4))
             decodes = self.engine.decodes()
             if not decodes:
                 judge.frozen([], None)
+                late = False
                 continue
             # the stage's CPU is asked for only while a decode has run past its limit
             late = any(d.seconds > judge.limit(d) for d in decodes)

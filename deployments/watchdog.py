@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 from engine.types import Decode
 
+LATE_POLL_S = 0.25  # the watchdog's poll while a decode is past its limit
+
 
 @dataclass
 class StallJudge:

@@ -40,9 +40,30 @@ _init_lock = threading.Lock()
 _initialised = False
 
 
+def _mapped(name: str) -> str | None:
+    """The path of ``lib{name}`` as this process already maps it (libllama's dependency), if so."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(maxsplit=1)[-1]
+                if re.fullmatch(rf"lib{re.escape(name)}\.so(\.\d+)*", os.path.basename(path)):
+                    return path
+    except OSError:  # no /proc (macOS)
+        pass
+    return None
+
+
 def _load(name: str) -> ctypes.CDLL:
-    for cand in sorted(_LIB_DIR.glob(f"lib{name}.so*")) + sorted(_LIB_DIR.glob(f"lib{name}.dylib")):
-        return ctypes.CDLL(str(cand), mode=ctypes.RTLD_GLOBAL)
+    """``lib{name}``, the very copy libllama uses. pip's wheel holds ``lib{name}.so``, ``.so.0`` and
+    ``.so.0.x`` as three separate files (a wheel has no symbolic links), and libllama links the
+    soname (``.so.0``): opening another of them loads a second ggml into the process, with its
+    own device registry (an RPC device registered there is unknown to libllama's), its own
+    logger and CPU buffer type, and, bound globally, functions of one copy called on the
+    other's objects. So: the copy already mapped, else the soname (shortest versioned name)."""
+    versioned = sorted(_LIB_DIR.glob(f"lib{name}.so.[0-9]*"), key=lambda p: len(p.name))
+    plain = sorted(_LIB_DIR.glob(f"lib{name}.so")) + sorted(_LIB_DIR.glob(f"lib{name}.dylib"))
+    for cand in [p for p in [_mapped(name)] if p] + [str(p) for p in versioned + plain]:
+        return ctypes.CDLL(str(cand))
     raise NativeError(f"lib{name} not found in {_LIB_DIR}; was llama-cpp-python built with it?")
 
 
@@ -226,17 +247,18 @@ def add_rpc_server(endpoint: str) -> list[str]:
         return names
 
 
-def local_device_name() -> str:
-    """The device that should hold the last layers and the output: the first GPU, else CPU.
-    Reads names and types only: asking a registered RPC device for its memory talks to its
-    server, and one that is gone aborts the process inside ggml."""
+def local_gpus() -> list[str]:
+    """This node's GPUs (no RPC device), in the registry's order. Reads names and types only:
+    asking a registered RPC device for its memory talks to its server, and one that is gone
+    aborts the process inside ggml."""
     g = ggml()
-    for i in range(g.dev_count()):
-        dev = g.dev_get(i)
-        name = g.dev_name(dev).decode()
-        if g.dev_type(dev) in (1, 2) and not name.startswith("RPC"):  # a GPU of this node
-            return name
-    return "CPU"
+    names = [(g.dev_name(dev).decode(), g.dev_type(dev)) for dev in (g.dev_get(i) for i in range(g.dev_count()))]
+    return [n for n, t in names if t in (1, 2) and not n.startswith("RPC")]  # 1 GPU, 2 IGPU
+
+
+def local_device_name() -> str:
+    """The device that should hold the last layers and the output: the first GPU, else CPU."""
+    return next(iter(local_gpus()), "CPU")
 
 
 def resolve_devices(names: list[str]) -> ctypes.Array:
@@ -279,10 +301,13 @@ class Model:
         # stage never uses them
         params.use_extra_bufts = repack
         self._keep: list[object] = []
+        # always a list: llama.cpp's default (every GPU-like device of the registry) would take
+        # an RPC server this process registered for another model; none given: this node's GPUs
+        # (an empty list: the CPU alone)
+        arr = resolve_devices(local_gpus() if devices is None else devices)
+        self._keep.append(arr)
+        params.devices = ctypes.cast(arr, ctypes.c_void_p)
         if devices:
-            arr = resolve_devices(devices)
-            self._keep.append(arr)
-            params.devices = ctypes.cast(arr, ctypes.c_void_p)
             params.split_mode = llama_cpp.LLAMA_SPLIT_MODE_LAYER
         if tensor_split:
             ts = (ctypes.c_float * max(len(tensor_split), 16))(*tensor_split)

@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from observability.gpu import node_meter
 from observability.metrics import EngineMetrics
 from observability.process import rss_bytes
 
@@ -37,6 +38,8 @@ class LiveFigures:
             self.metrics.set_stage_rss("peer", int(peer.get("rss_bytes", 0)))
         for stage, ratio in busy.items():
             self.metrics.set_stage_busy(stage, ratio)
+        self.metrics.set_gpu_busy("local", node_meter().busy())
+        self.metrics.set_gpu_busy("peer", (peer or {}).get("gpu_busy"))
         return self.metrics.render()
 
     async def _stage_busy(self, last: Sample | None) -> tuple[dict[str, float], dict | None, Sample]:
@@ -75,10 +78,12 @@ class LiveFigures:
                             "hits": p.cache_hits, "reused_tokens": p.cache_reused, "evictions": p.cache_evictions}
                   for p in self.engine.profiles()}
         running, waiting = self.engine.scheduler.counts()
-        stages = [{"stage": "peer", "where": ep, "busy": busy.get("peer"), "up": bool(peer and peer["accepting"])}
-                  for ep in self.config.rpc_endpoints]
+        # gpu_busy: each GPU of the stage's node, None on a CPU node
+        stages = [{"stage": "peer", "where": ep, "busy": busy.get("peer"), "up": bool(peer and peer["accepting"]),
+                   "gpu_busy": (peer or {}).get("gpu_busy")} for ep in self.config.rpc_endpoints]
         local = [d for d in self.engine.devices or [] if not d.upper().startswith("RPC")]  # None: the default device
-        stages.append({"stage": "local", "where": ", ".join(local) or "local", "busy": busy.get("local"), "up": True})
+        stages.append({"stage": "local", "where": ", ".join(local) or "local", "busy": busy.get("local"), "up": True,
+                       "gpu_busy": node_meter().busy()})
         return {
             "replica": self.replica, "model": self.engine.model_name, "topology": self.topology, "stages": stages,
             "groups": [{"group": g, "slots": slots, "prompt_cache": caches.get(g)} for g, slots in sorted(groups.items())],

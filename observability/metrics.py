@@ -53,6 +53,9 @@ class EngineMetrics:
         self.running = Gauge(P + "num_requests_running", "Requests holding a slot.", base, registry=r)
         self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting for a slot.", base, registry=r)
         self.stage_busy = Gauge(P + "stage_busy_ratio", "Fraction of the stage's compute capacity in use since the last scrape (CPU time over wall time and threads).", [*base, "stage"], registry=r)
+        self.gpu_busy = Gauge(P + "stage_gpu_busy_ratio", "Share of NVML's last sample period in which a kernel ran "
+                              "on each NVIDIA GPU of the stage's node (absent on a node without one).",
+                              [*base, "stage", "gpu"], registry=r)
         self.topology = Gauge(P + "topology", "1 on the topology the application runs in: replicas, layer_split or single.",
                               [*base, "topology"], registry=r)
         self.stage_up = Gauge(P + "rpc_stage_up", "1 while the engine is connected to its RPC stage (or has none).", base, registry=r)
@@ -102,6 +105,10 @@ class EngineMetrics:
 
     def set_stage_busy(self, stage: str, ratio: float) -> None:
         self.stage_busy.labels(**self._b, stage=stage).set(max(0.0, min(1.0, ratio)))
+
+    def set_gpu_busy(self, stage: str, busy: dict[str, float] | None) -> None:
+        for gpu, ratio in (busy or {}).items():
+            self.gpu_busy.labels(**self._b, stage=stage, gpu=gpu).set(ratio)
 
     def set_stage_rss(self, stage: str, rss: int) -> None:
         self.stage_rss.labels(**self._b, stage=stage).set(rss)

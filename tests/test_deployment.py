@@ -366,19 +366,18 @@ def test_ingress_health_is_503_while_its_output_stream_is_down(monkeypatch):
 def test_a_stream_that_fails_mid_way_ends_with_its_endpoints_own_error_event():
     """Shaping fails after the first bytes went out: the stream ends with an error event in the
     endpoint's shape (an Anthropic stream gets Anthropic's ``error`` event, not OpenAI's error
-    body), and the request is released."""
+    body), the fault is counted and the request is released."""
+    from deployments.answers import guarded
     from deployments.api.anthropic import MessagesShaper
-    from deployments.ingress import Ingress
 
-    cls = Ingress.func_or_class.__mro__[1]
-    ing = object.__new__(cls)
-    ing.internal_errors = 0
     released: list[str] = []
+    internal: list[int] = []
 
-    async def release(rid: str) -> None:
-        released.append(rid)
+    class Gen:  # the generation's two members a stream's guard uses
+        rid = "r1"
 
-    ing._release = release
+        async def close(self) -> None:
+            released.append(self.rid)
 
     async def events() -> Any:
         yield b"event: message_start\ndata: {}\n\n"
@@ -387,10 +386,10 @@ def test_a_stream_that_fails_mid_way_ends_with_its_endpoints_own_error_event():
     shaper = object.__new__(MessagesShaper)  # its error event needs none of its state
 
     async def main() -> list[bytes]:
-        return [c async for c in ing._guarded("r1", events(), shaper.failed)]
+        return [c async for c in guarded(Gen(), events(), shaper.failed, lambda: internal.append(1))]
 
     chunks = asyncio.run(main())
-    assert len(chunks) == 2 and released == ["r1"] and ing.internal_errors == 1
+    assert len(chunks) == 2 and released == ["r1"] and internal == [1]
     kind, data = chunks[1].decode().strip().split("\n")
     assert kind == "event: error"
     body = json.loads(data.removeprefix("data: "))

@@ -11,6 +11,9 @@ import pytest
 from engine import QueueFullError, RequestError, SamplingParams
 from engine.synthetic_model import ModelShape, write_model
 
+# the engine's own assertions, run on a GPU too (bench/device/run.sh: `pytest -m gpu`)
+pytestmark = pytest.mark.gpu
+
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 PROMPTS = [f"once upon a time there lived a king number {i} and" for i in range(8)]
 

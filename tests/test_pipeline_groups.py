@@ -12,6 +12,9 @@ import pytest
 from engine import SamplingParams
 from tests.rounding import agree_until_they_differ
 
+# the engine's own assertions, run on a GPU too (bench/device/run.sh: `pytest -m gpu`)
+pytestmark = pytest.mark.gpu
+
 log = logging.getLogger(__name__)
 
 PROMPTS = [

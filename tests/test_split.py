@@ -19,6 +19,9 @@ from engine import SamplingParams
 from tests.conftest import RPC_PORT
 from tests.link import CountingLink
 
+# the engine's own assertions, run on a GPU too (bench/device/run.sh: `pytest -m gpu`)
+pytestmark = pytest.mark.gpu
+
 log = logging.getLogger(__name__)
 
 PROMPTS = [f"the {w} of the pipeline node number {i} said" for i, w in enumerate(
@@ -206,3 +209,26 @@ def test_a_warm_tensor_cache_sends_hashes_not_weights(tmp_path):
         link.close()
         proc.kill()
         proc.wait()
+
+
+def test_the_process_holds_one_ggml_and_a_model_without_devices_stays_local(make_engine, rpc_endpoint, model_path):
+    """The engine's own ggml calls go to the copy libllama uses: pip's wheel has each library
+    three times (``.so``, ``.so.0``, ``.so.0.x``) and opening the plain name loaded a second ggml
+    (its own device registry, logger and buffer types) into the process, where a GPU load
+    crashed. One registry means an RPC server registered for one engine is seen by every later
+    load in the process: a model loaded without devices still gets only this node's."""
+    from engine.native import Model, list_devices
+
+    split = make_engine(n_parallel=1, rpc_endpoints=[rpc_endpoint])
+    assert split.model.layer_devices[0].startswith("RPC")
+    libs = [line.rsplit(maxsplit=1)[-1] for line in open("/proc/self/maps") if "/libggml" in line]
+    by_name: dict[str, set[str]] = {}
+    for path in libs:
+        by_name.setdefault(os.path.basename(path).split(".so")[0], set()).add(path)
+    assert by_name and all(len(paths) == 1 for paths in by_name.values()), by_name
+    assert any(d.name.startswith("RPC") for d in list_devices(memory=False))  # the one registry has it
+    m = Model(model_path)
+    try:
+        assert m.layer_devices and not any(d.startswith("RPC") for d in m.layer_devices.values()), m.layer_devices
+    finally:
+        m.close()

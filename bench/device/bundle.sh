@@ -9,7 +9,8 @@ set -euo pipefail
 VERSION=0.3.36
 B="${BUNDLE:-.device-bundle}"
 WHEELS=(annotated-types==0.8.0 diskcache==5.6.3 gguf==0.19.0 llguidance==1.9.1 pydantic==2.14.4
-        pydantic-core==2.50.5 tqdm==4.70.1 typing-extensions==4.16.0 typing-inspection==0.4.5)
+        pydantic-core==2.50.5 tqdm==4.70.1 typing-extensions==4.16.0 typing-inspection==0.4.5
+        nvidia-ml-py==13.615.71)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 mkdir -p "$B/whl"

@@ -23,13 +23,9 @@ from deployments.api.base import (
     read_request,
     sse,
 )
+from deployments.api.embeddings import EmbeddingRequest
 from deployments.api.generation import prompt_progress, timings
-from deployments.api.openai import (
-    ChatMessage,
-    CompletionRequest,
-    EmbeddingRequest,
-    template_messages,
-)
+from deployments.api.openai import ChatMessage, CompletionRequest, template_messages
 from deployments.api.values import Prepared
 from engine.errors import RequestError
 from engine.params import SamplingParams

@@ -9,7 +9,6 @@ A request with ``n`` choices has outputs for request ids ``<id>`` (choice 0) and
 from __future__ import annotations
 
 import asyncio
-import base64
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
@@ -19,10 +18,7 @@ from pydantic import ConfigDict, Field, model_validator
 from deployments.api.base import (
     MAX_PROMPT_CHARS,
     Answer,
-    ApiError,
-    ApiModel,
     Bounded,
-    Call,
     Generate,
     by_choice,
     dumps,
@@ -31,8 +27,9 @@ from deployments.api.base import (
     sse,
     usage,
 )
+from deployments.api.embeddings import EMBEDDINGS
 from deployments.api.generation import GenerationRequest, prompt_progress, timings
-from deployments.api.values import Embedded, Prepared, ToolSettings
+from deployments.api.values import Prepared, ToolSettings
 from engine.reasoning import ReasoningPlan, ReasoningSplitter, split_reasoning
 from engine.tools import ToolPlan, check_tools, chosen, template_message, tool_finish
 from engine.types import Output
@@ -427,60 +424,6 @@ CHAT = Generate(("/v1/chat/completions", "/chat/completions"), ChatCompletionReq
 COMPLETION = Generate(("/v1/completions", "/completions"), CompletionRequest, "cmpl-",
                       lambda a: ChoicesShaper(a, "completion"), summary="OpenAI's (legacy) completions")
 
-
-# ---- embeddings ----------------------------------------------------------------------------------
-
-
-class EmbeddingRequest(ApiModel):
-    """``POST /v1/embeddings`` (OpenAI's); llama-server's ``/embedding`` names the input ``content``."""
-
-    model: str | None = None
-    # token ids before texts: a strict match of ids comes first, not a million failed strings (each an error)
-    input: str | list[int] | list[str] | list[list[int]] | None = None
-    content: str | list[int] | list[str] | list[list[int]] | None = Field(default=None, description="llama-server's input.")
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1, description="Must be the model's own (vectors are not cut).")
-    user: str | None = None
-
-    @model_validator(mode="after")
-    def _one_input(self) -> EmbeddingRequest:
-        if (self.input is None) == (self.content is None):
-            raise ValueError("give the text to embed as input (or llama-server's content)")
-        items = self.inputs()
-        if not items or len(items) > 2048:
-            raise ValueError("input holds 1 to 2048 texts or token lists")
-        if sum(len(x) for x in items) > MAX_PROMPT_CHARS:
-            raise ValueError(f"input longer than {MAX_PROMPT_CHARS} characters")
-        return self
-
-    def inputs(self) -> list[str | list[int]]:
-        x = self.input if self.input is not None else self.content
-        if isinstance(x, str) or (isinstance(x, list) and x and isinstance(x[0], int)):
-            return [x]  # one text, or one list of token ids
-        return list(x or [])
-
-    def run(self, engine: Engine) -> Embedded:
-        """The vectors (on the engine replica; the embedder has a context and thread of its own)."""
-        if engine.embedder is None:
-            raise ApiError(501, "this server does not serve embeddings: set embeddings: true in its config "
-                           "(llama-server's --embeddings)")
-        n_embd = engine.embedder.n_embd
-        if self.dimensions is not None and self.dimensions != n_embd:
-            raise ApiError(400, f"dimensions must be the model's own, {n_embd} (vectors are not cut)", "dimensions")
-        vectors, n = engine.embed(self.inputs())
-        return Embedded(vectors, n)
-
-
-def _embeddings_answer(res: Embedded, req: EmbeddingRequest, model: str) -> dict[str, Any]:
-    data = [{"object": "embedding", "index": i,
-             "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if req.encoding_format == "base64"
-             else v.tolist()} for i, v in enumerate(res.vectors)]
-    return {"object": "list", "data": data, "model": model,
-            "usage": {"prompt_tokens": res.n_tokens, "total_tokens": res.n_tokens}}
-
-
-EMBEDDINGS = Call(("/v1/embeddings", "/embeddings"), EmbeddingRequest, answer=_embeddings_answer, summary="OpenAI's embeddings: a normalised vector per input, as floats or "
-                  "base64 (float32)")
 
 ENDPOINTS = (CHAT, COMPLETION, EMBEDDINGS)
 

@@ -19,6 +19,7 @@ import ray
 
 from deployments.stage import server as rpc_server
 from deployments.stage.server import port_listening
+from observability.gpu import node_meter
 from observability.process import cpu_seconds, rss_bytes
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class RpcStage:
             "threads": self.threads,
             "rss_bytes": rss_bytes(self.proc.pid) if alive else 0,
             "cpu_seconds": cpu_seconds(self.proc.pid) if alive else 0.0,
+            "gpu_busy": node_meter().busy(),  # the peer node's GPUs; None on a CPU node
         }
 
     def kill_server(self) -> int | None:

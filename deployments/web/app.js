@@ -253,7 +253,10 @@ function renderPipeline(data) {
     const ttft = r.ttft_s.median === null ? "–" : `${r.ttft_s.median.toFixed(2)} s median, ${r.ttft_s.p99.toFixed(2)} s p99`;
     const stages = el("div", { class: "stages" }, ...r.stages.map((s) => el("div", { class: "stage", testid: "stage-" + s.stage },
       el("div", {}, el("b", {}, s.stage === "peer" ? "peer stage (RPC)" : "local stage"), " ", el("span", { class: "muted" }, s.where)),
-      el("div", {}, "busy ", pct(s.busy), s.up ? "" : " — down"), bar(s.busy))));
+      el("div", {}, "busy ", pct(s.busy), s.up ? "" : " — down"), bar(s.busy),
+      el("div", { class: "muted", testid: "gpu-" + s.stage }, s.gpu_busy
+        ? Object.entries(s.gpu_busy).map(([g, v]) => `GPU ${g} busy ${pct(v)}`).join(", ")
+        : "CPU node: no GPU busy figure"))));
     const groups = el("div", { class: "groups" }, ...r.groups.map((g) => {
       const busy = g.slots.filter((s) => s.state !== "idle").length;
       return el("div", { class: "group", testid: "group", "data-busy": String(busy) },
