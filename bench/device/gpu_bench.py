@@ -34,6 +34,34 @@ FULL_SHAPE = ModelShape(n_layer=16, n_embd=1024, n_head=16, n_head_kv=4, n_ff=28
                         ftype="q8_0", seed=11)
 
 
+class BusySampler:
+    """NVML's busy share of each GPU every 0.2 s while a cell runs (observability/gpu.py), its
+    mean by GPU at ``stop()``: with the peer's RPC server on the same GPU, both stages' work."""
+
+    def __init__(self) -> None:
+        import threading
+
+        from observability.gpu import GpuMeter
+
+        self.meter, self.samples, self.done = GpuMeter(), [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(0.2):
+            b = self.meter.busy()
+            if b is None:
+                return
+            self.samples.append(b)
+
+    def stop(self) -> dict[str, float] | str:
+        self.done.set()
+        self.thread.join()
+        if not self.samples:
+            return self.meter.reason or "no samples"
+        return {g: round(sum(s.get(g, 0.0) for s in self.samples) / len(self.samples), 3) for g in self.samples[0]}
+
+
 def model_path(s: ModelShape) -> Path:
     return ROOT / "models" / f"bench-{s.n_layer}L-{s.n_embd}d-{s.n_vocab}v-{s.ftype}.gguf"
 
@@ -82,13 +110,14 @@ def main() -> int:
         for rep in range(a.repeats):
             for g in ((1, 2) if rep % 2 == 0 else (2, 1)):
                 t0 = time.monotonic()
+                busy = BusySampler()
                 try:
                     r = br.engine_cell(setup, server, order="rpc-first", groups=g, pool=True,
                                        slots=setup.clients, clients=setup.clients, tensor_split=split)
                 except Exception as e:  # keep going: the other cells still say something
                     r = {"error": repr(e)}
                 row = {"peer": peer, "local": LOCAL, "groups": g, "rep": rep, "split": split,
-                       "cell_s": round(time.monotonic() - t0, 1), **r}
+                       "cell_s": round(time.monotonic() - t0, 1), "gpu_busy_mean": busy.stop(), **r}
                 print(json.dumps(row), flush=True)
                 with out.open("a") as f:
                     f.write(json.dumps(row) + "\n")
