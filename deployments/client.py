@@ -1,8 +1,10 @@
 """The ingress's engine client: one generating request's round trip to the engine replicas, from
 its submission to its last output, and nothing of HTTP.
 
-``EngineClient.generate`` submits an API request on this ingress's output stream from a
-replica (``deployments.streams``), registered first so that no output can come for an unknown
+``EngineClient.generate`` makes an API request's prompt here (its template, its tokens:
+``deployments.prompts``, on this client's threads, never beside the engine's group threads),
+submits the ``EngineRequest`` on this ingress's output stream from a replica
+(``deployments.streams``), registered first so that no output can come for an unknown
 request, and returns a ``Generation``: what the shaper needs (``answer``), the replica that took
 it, and its outputs as an async iterator of lists (one list per step while the reader keeps up),
 each as its choice's: a fault is resumed on another replica (``deployments.resume``), a
@@ -19,10 +21,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from deployments.api.base import Answer, ApiError, member_ids
+from deployments.api.base import Answer, member_ids
+from deployments.api.values import Prepared, ResumeSpec
+from deployments.errors import CLIENT_ERRORS, ApiError
+from deployments.prompts import Makers, PromptMaker
 from deployments.resume import Resumer, ResumeSettings
 from deployments.router import Route, prefix_hashes, routing_text
 from deployments.streams import IngressStreams, Pending, detached
@@ -31,6 +36,8 @@ from engine.types import FinishReason, Output
 log = logging.getLogger(__name__)
 
 OFFLOAD_BYTES = 64 * 1024  # bodies larger than this are parsed and hashed off the event loop
+PREPARE_THREADS = 2  # prompts made at once (a template's rendering and a tokenizer's run release no GIL)
+LARGE_BODY_BYTES = 256 * 1024  # larger bodies' prompts are made on a thread of their own, one at a time
 
 
 async def sized(pool: ThreadPoolExecutor, n_bytes: int, fn: Callable[..., Any], *args: Any) -> Any:
@@ -71,17 +78,50 @@ class EngineClient:
         self.out = IngressStreams(engine, connect_timeout_s)
         self.resumer = Resumer(engine, self.out, resume)
         self.bodies = bodies
+        self.makers = Makers()
+        self._prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
+        self._prepare_large = ThreadPoolExecutor(1, thread_name_prefix="prepare-large")
+
+    async def maker(self) -> PromptMaker:
+        """The prompt maker of the served model (made once, from the first replica's ``info``)."""
+        if (m := self.makers.ready) is not None:
+            return m
+        try:
+            info = await asyncio.wait_for(self.engine.info.remote(), timeout=30.0)
+        except Exception as e:  # no replica serves yet
+            raise ApiError(503, f"the engine is not available (starting or restarting); retry ({type(e).__name__})") \
+                from None
+        return await asyncio.get_running_loop().run_in_executor(self._prepare, self.makers.get, info)
+
+    async def run(self, fn: Callable[..., Any], n_bytes: int, *args: Any) -> Any:
+        """``fn(*args)`` (a prompt's making, an API call's run) on this client's threads for a body
+        of ``n_bytes``; the client's errors as an ``ApiError`` raised."""
+        pool = self._prepare_large if n_bytes > LARGE_BODY_BYTES else self._prepare
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+        except ApiError:
+            raise
+        except CLIENT_ERRORS as e:  # RequestError, a template's error, what a wrong value raises: the client's 400
+            raise ApiError(400, str(e)[:1000] or type(e).__name__) from None
+
+    async def call(self, api_req: Any, n_bytes: int) -> Any:
+        """An API call that needs only the model's vocabulary and template (``api_req.run(maker)``:
+        tokenize, detokenize, apply a template, count tokens), here."""
+        return await self.run(api_req.run, n_bytes, await self.maker())
 
     async def generate(self, api_req: Any, n_bytes: int, id_prefix: str, model_name: str) -> Generation:
-        """Submit ``api_req`` (an API module's request, its body ``n_bytes``); raises ``ApiError``
-        (the engine's refusal, the client's error met while its prompt was made)."""
+        """Make ``api_req``'s prompt (an API module's request, its body ``n_bytes``) and submit it;
+        raises ``ApiError`` (the client's error met while its prompt was made, the engine's refusal)."""
         req = api_req.served_as()  # what the engine runs
-        conns = await self.out.connection()
+        maker = await self.maker()
         rid = id_prefix + uuid.uuid4().hex
+        prepared: Prepared = await self.run(req.prepare, n_bytes, maker, rid)
+        er = prepared.request
+        conns = await self.out.connection()
         p = self.out.register(rid, req.n)
         try:
             route = Route(tuple(conns), tuple(await sized(self.bodies, n_bytes, prefix_hashes, routing_text(req))))
-            res = await self.engine.submit.remote(conns, rid, req, route=route, n_bytes=n_bytes)
+            res = await self.engine.submit.remote(conns, er, route=route, n_bytes=n_bytes)
         except BaseException:
             self.out.forget(rid, req.n)
             # the client left (or the call failed) while the engine may have taken it: cancel
@@ -91,6 +131,8 @@ class EngineClient:
         if isinstance(res, ApiError):
             self.out.forget(rid, req.n)
             raise res
+        res = replace(res, echo=prepared.echo, tools=prepared.tools, reasoning=prepared.reasoning,
+                      resume=ResumeSpec.of(er, res))
         p.taken(res)  # its stream, its replica, its prompt's ids; echo: completions' prompt text comes first
         if p.conn not in self.out.streams.values():  # its stream ended while it was submitted
             self.out.fail_stream(p.conn)
@@ -148,3 +190,5 @@ class EngineClient:
 
     async def close(self) -> None:
         await self.out.close()
+        self._prepare.shutdown(wait=False)
+        self._prepare_large.shutdown(wait=False)

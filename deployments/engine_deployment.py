@@ -1,9 +1,11 @@
 """The engine actor: one ``Engine`` in a Ray Serve replica on the local node.
 
-Tokens leave it in per-step batches, on one long-lived output stream per ingress replica
-(``outputs``; ``deployments.streams`` holds both halves). A request's prompt is made here, by
-its own API request (``prepare``), off the event loop; so is every call of an API's utility
-endpoints (``run``).
+Requests come in as ``EngineRequest``s the ingress made (its template, its tokens:
+``deployments.prompts``), are accepted here off the event loop (their checks, their grammar's
+compilation) and answered with what the ingress cannot know (``deployments.contract``). Tokens
+leave in per-step batches, on one long-lived output stream per ingress replica (``outputs``;
+``deployments.streams`` holds both halves). No API module runs here: ``/props`` and
+``/slots`` are reported raw and shaped by the ingress.
 """
 
 from __future__ import annotations
@@ -21,10 +23,9 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from deployments.api.base import CLIENT_ERRORS, ApiError
-from deployments.api.llama import llama_props, llama_slots
-from deployments.api.values import Prepared, ResumeSpec, Submitted
 from deployments.args import PEER_RESOURCE, RpcArgs
+from deployments.contract import Embedded, Submitted
+from deployments.errors import CLIENT_ERRORS, ApiError
 from deployments.router import STATS_PERIOD_S, Route
 from deployments.streams import EngineStreams
 from deployments.watchdog import LATE_POLL_S, StallJudge
@@ -36,7 +37,7 @@ from engine import (
     RequestError,
     SlotBusyError,
 )
-from engine.types import SHUTTING_DOWN, Fault
+from engine.types import SHUTTING_DOWN, EngineRequest, Fault
 from observability.live import LiveFigures
 from observability.metrics import EngineMetrics
 from observability.process import rss_bytes
@@ -230,12 +231,12 @@ class EngineDeployment:
         pool = self._prepare_large if n_bytes > LARGE_BODY_BYTES else self._prepare
         return self.loop.run_in_executor(pool, fn, *args)
 
-    async def submit(self, conns: dict[str, str] | str, request_id: str, req: Any,
+    async def submit(self, conns: dict[str, str] | str, req: EngineRequest,
                      route: Route | None = None, n_bytes: int = 0) -> Submitted | ApiError:
-        """Tokenise and queue one request the ingress has validated (its body ``n_bytes``);
-        returns its prompt size (and what the ingress needs to shape its answer) or an error.
-        The chat template and the tokenizer run off the event loop that delivers every
-        stream's tokens, on the pools above."""
+        """Queue one request the ingress made (its prompt's tokens, its settings; its body was
+        ``n_bytes``): what the ingress cannot know of it (this replica, its stream, its budget
+        in a slot, the seed chosen for its choices), or a refusal. Its checks and its grammar's
+        compilation run off the event loop that delivers every stream's tokens."""
         # the ingress's output stream to each replica it holds one to; ``route`` is the router's
         conn_id = conns.get(self._replica, "") if isinstance(conns, dict) else conns
         if self._failed is not None:
@@ -245,14 +246,9 @@ class EngineDeployment:
         if conn_id not in self.out.conns:
             return ApiError(503, NOT_CONNECTED)
         try:
-            prepared, spec = await self._off_loop(n_bytes, _prepare, req, self.engine, request_id)
-        except ApiError as e:
-            return e
-        except CLIENT_ERRORS as e:
-            # the body's shape, met while its prompt is made: the client's 400 (RequestError,
-            # a template's error, pydantic's, or what a value of the wrong type raises)
+            r = await self._off_loop(n_bytes, self.engine.accept, req)
+        except CLIENT_ERRORS as e:  # RequestError (a ValueError): the request's own 400
             return ApiError(400, str(e)[:1000] or type(e).__name__)
-        r = prepared.request
         ids = [m.id for m in r.family]
         conn = None if self._failed is not None or self._draining else self.out.take(conn_id, ids)
         if conn is None:
@@ -266,21 +262,27 @@ class EngineDeployment:
                 return ApiError(429, str(e))
             return ApiError(503, str(e))
         return Submitted(len(r.prompt_tokens), r.n_predict, self._replica, conn_id, self.engine.n_ctx_slot,
-                         echo=prepared.echo, tools=prepared.tools, reasoning=prepared.reasoning, resume=spec)
+                         seed=r.params.seed if req.n > 1 else None)
 
-    async def run(self, req: Any, n_bytes: int = 0) -> Any:
-        """An API's call (``req.run(engine)``: tokenize, detokenize, apply a template, count
-        tokens, embed) off the event loop, as ``submit``'s prompts; the client's errors as
-        ``ApiError``s."""
+    async def embed(self, inputs: list[str | list[int]], dimensions: int | None = None,
+                    n_bytes: int = 0) -> Embedded | ApiError:
+        """One normalised vector per input (the embedder has a context and thread of its own)."""
+        e = self.engine.embedder
+        if e is None:
+            return ApiError(501, "this server does not serve embeddings: set embeddings: true in its config "
+                            "(llama-server's --embeddings)")
+        if dimensions is not None and dimensions != e.n_embd:
+            return ApiError(400, f"dimensions must be the model's own, {e.n_embd} (vectors are not cut)", "dimensions")
         try:
-            return await self._off_loop(n_bytes, req.run, self.engine)
-        except ApiError as e:
-            return e
-        except CLIENT_ERRORS as e:
-            return ApiError(400, str(e)[:1000] or type(e).__name__)
+            vectors, n = await self._off_loop(n_bytes, self.engine.embed, inputs)
+        except CLIENT_ERRORS as err:
+            return ApiError(400, str(err)[:1000] or type(err).__name__)
+        return Embedded(vectors, n)
 
     async def props(self) -> dict:
-        return llama_props(self.engine, self.config, self.topology)
+        """What llama-server's ``/props`` reads of this replica (the ingress shapes it)."""
+        return {"config": self.config, "n_ctx_slot": self.engine.n_ctx_slot, "model_name": self.engine.model_name,
+                "devices": self.engine.devices, "topology": self.topology}
 
     async def drain(self, grace_s: float, replica: str | None = None) -> dict:
         """Stop taking requests; give running ones ``grace_s`` to finish, then end the rest
@@ -333,10 +335,19 @@ class EngineDeployment:
             "replica": self._replica,
             "topology": self.topology["topology"],
             "pid": os.getpid(),
+            # what the ingress makes prompts with (deployments/prompts.py): the model's vocabulary
+            # and template, and a slot's size
+            "model_path": self.config.model, "chat_template": self.config.chat_template,
+            "chat_template_file": self.config.chat_template_file,
+            "n_slots_per_group": self.config.n_slots_per_group, "n_batch": self.config.n_batch,
         }
 
-    async def slots(self, replica: str | None = None) -> list[dict]:
-        return llama_slots(self.engine, self.config, self._replica)
+    async def slots(self, replica: str | None = None) -> dict:
+        """What llama-server's ``/slots`` reads of this replica (the ingress shapes it)."""
+        views = [{k: getattr(v, k) for k in ("id", "group", "seq_id", "state", "n_cached", "request_id")}
+                 for v in self.engine.slot_views()]
+        return {"slots": views, "n_ctx_slot": self.engine.n_ctx_slot, "speculative": self.config.speculative is not None,
+                "replica": self._replica}
 
     async def slot_action(self, slot_id: int, action: str, filename: str | None,
                           replica: str | None = None) -> dict | ApiError:
@@ -390,14 +401,6 @@ class EngineDeployment:
         if eng is not None:
             # a stalled decode never returns: do not wait for its group
             eng.close(timeout=1.0 if self._failed else 30.0)
-
-
-def _prepare(req: Any, engine: Engine, request_id: str) -> tuple[Prepared, ResumeSpec | None]:
-    """A request's engine request and what resuming it needs (none for a continuation: the
-    ingress keeps the spec of the request it continues)."""
-    prepared: Prepared = req.prepare(engine, request_id)
-    r = prepared.request
-    return prepared, None if r.n_resumed else ResumeSpec.of(r)
 
 
 def _replica_tag() -> str:

@@ -183,7 +183,7 @@ class Ingress:
     async def call(self, request: Request, ep: Call) -> Response:
         req, n_bytes = await self.read(request, ep.request)
         try:
-            res = await ep.call(self.engine, req, n_bytes)
+            res = await (self.client.call(req, n_bytes) if ep.call is None else ep.call(self.engine, req, n_bytes))
         except ApiError:
             raise
         except Exception as e:  # the engine replica is restarting

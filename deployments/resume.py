@@ -3,9 +3,10 @@
 A fault is the replica's, never the client's: its output stream ended (the replica's process
 died), its engine failed the request with a 503 (a group died with its stage, or the
 frozen-stage watchdog fired). The ingress then sends each unfinished choice again, as a
-``Continuation``: the original prompt's token ids and every token the choice emitted, the
-budget less them, the same settings; on the replica that takes it the grammar and the held-back
-text are advanced over those tokens (``Engine.make_request``), so the client's stream or
+continuation (``ResumeSpec.continuation``, an ``EngineRequest``): the original prompt's token
+ids and every token the choice emitted, the budget less them, the same settings; on the replica
+that takes it the grammar and the held-back text are advanced over those tokens
+(``Engine.accept``), so the client's stream or
 collected answer goes on with no token lost or repeated. A restarting replica's 503 and a
 replica that is gone are waited through, for ``resume_wait_s``.
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from deployments.api.values import Submitted
@@ -91,7 +92,7 @@ class Resumer:
         c = p.choices[i]
         if p.closed:
             return "closed", "its client has gone"
-        if p.spec is None:
+        if p.resume_from is None:
             return "unresumable", "it cannot be resumed"
         if c.resumes >= self.settings.limit:
             return "limit", f"resumed {c.resumes} times, resume_limit {self.settings.limit}"
@@ -114,7 +115,7 @@ class Resumer:
         within ``resume_wait_s``; else it fails with why."""
         c = p.choices[i]
         deadline = time.monotonic() + self.settings.wait_s
-        cont = p.spec.continuation(i, c.tokens)
+        cont = p.resume_from.continuation(i, c.tokens)
         eid = f"{p.rid}.{i}.r{c.resumes}"
         self.out.attempt(p, i, eid)
         why, backoff = "", 0.1
@@ -125,7 +126,8 @@ class Resumer:
                 if conns is None or p.closed:
                     break
                 try:
-                    res = await self.engine.submit.remote(conns, eid, cont, route=resume_route(conns, p.lost_on))
+                    res = await self.engine.submit.remote(conns, replace(cont, id=eid),
+                                                          route=resume_route(conns, p.lost_on))
                 except Exception as e:  # the replica it reached is gone: another, or the new one
                     res, why = None, f"the engine is not available: {type(e).__name__}"
                 if isinstance(res, Submitted):

@@ -168,13 +168,13 @@ class Choice:
 class Pending:
     """A request's round trip as the ingress holds it: its queue (every choice's outputs, by
     whichever engine request id each runs as), the stream and replica it was submitted on, the
-    engine's request as resuming needs it (``spec``: its prompt's token ids and settings), and
+    engine's request as resuming needs it (``resume_from``: its prompt's token ids and settings), and
     per choice what it has emitted (``Choice``). What the client asked and how its answer is
     shaped (each choice's text, logprobs, reasoning split, tool-call parsing) live in the
     endpoint's shaper, which a resume keeps; the text an engine held back for a stop string is
     rebuilt from the tokens on the replica a choice resumes on."""
 
-    __slots__ = ("rid", "queue", "conn", "replica", "finished", "echo", "n", "choices", "ids", "spec", "t0",
+    __slots__ = ("rid", "queue", "conn", "replica", "finished", "echo", "n", "choices", "ids", "resume_from", "t0",
                  "t_first", "lost_on", "closed", "left")
 
     def __init__(self, rid: str, n: int = 1) -> None:
@@ -188,7 +188,7 @@ class Pending:
         members = member_ids(rid, n)
         self.choices = [Choice(m) for m in members]
         self.ids: dict[str, int] = {m: i for i, m in enumerate(members)}  # every engine request id -> its choice
-        self.spec: Any = None  # api.values.ResumeSpec: None, it cannot be resumed
+        self.resume_from: Any = None  # api.values.ResumeSpec: None, it cannot be resumed
         self.t0 = time.monotonic()
         self.t_first: float | None = None  # when its first token came
         self.lost_on: set[str] = set()  # replicas that failed it
@@ -197,7 +197,7 @@ class Pending:
 
     def taken(self, res: Any) -> None:
         """An engine replica took it (``api.values.Submitted``)."""
-        self.conn, self.replica, self.echo, self.spec = res.conn, res.replica, res.echo, res.resume
+        self.conn, self.replica, self.echo, self.resume_from = res.conn, res.replica, res.echo, res.resume
         for c in self.choices:
             c.conn, c.replica = res.conn, res.replica
 
@@ -221,10 +221,10 @@ class Pending:
         if not c.resumes:
             return o
         o = o._replace(request_id=self.rid if i == 0 else f"{self.rid}#{i}")
-        if o.finish_reason is not None and self.spec is not None:
+        if o.finish_reason is not None and self.resume_from is not None:
             first = (self.t_first - self.t0) if self.t_first is not None else 0.0
-            o = o._replace(prompt_tokens=self.spec.n_prompt, completion_tokens=o.completion_tokens + c.base,
-                           cached_tokens=min(o.cached_tokens, self.spec.n_prompt), t_first_token=first,
+            o = o._replace(prompt_tokens=self.resume_from.n_prompt, completion_tokens=o.completion_tokens + c.base,
+                           cached_tokens=min(o.cached_tokens, self.resume_from.n_prompt), t_first_token=first,
                            t_end=now - self.t0)
         return o
 

@@ -39,7 +39,7 @@ from engine.slots import Slot, SlotView
 from engine.speculative import load_draft_model
 from engine.text import TextStream
 from engine.tokenizer import Tokenizer, TokenLimit
-from engine.types import Decode, Output, Request, RequestError
+from engine.types import Decode, EngineRequest, Output, Request, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +255,12 @@ class Engine:
                                        params=params.model_copy(update={"seed": seed_i}), n_predict=r.n_predict,
                                        cache_prompt=False, grammar=grammar.copy() if grammar else None))
         return r
+
+    def accept(self, er: EngineRequest) -> Request:
+        """The engine's request for one the ingress made (``make_request``'s checks: ids in the
+        vocabulary, room in a slot, the grammar compiled here, on the caller's thread)."""
+        return self.make_request(er.prompt_tokens, er.params, er.id, cache_prompt=er.cache_prompt, n=er.n,
+                                 id_slot=er.id_slot, n_resumed=er.n_resumed)
 
     def _advance(self, r: Request, generated: list[int]) -> None:
         """A resumed request's state after the tokens it generated before: its grammar has

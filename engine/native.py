@@ -288,6 +288,7 @@ class Model:
         repack: bool = True,
         load_mtp: bool = False,
         release_offloaded: bool = True,
+        vocab_only: bool = False,
     ) -> None:
         """``load_mtp``: load the model's multi-token-prediction layers too (they are skipped
         otherwise, and an MTP context of a model loaded without them aborts the process)."""
@@ -300,6 +301,7 @@ class Model:
         # the CPU backend's repacked weight layouts (faster kernels, other rounding); an RPC
         # stage never uses them
         params.use_extra_bufts = repack
+        params.vocab_only = vocab_only  # the tokenizer and template alone (an ingress's): no weights
         self._keep: list[object] = []
         # always a list: llama.cpp's default (every GPU-like device of the registry) would take
         # an RPC server this process registered for another model; none given: this node's GPUs

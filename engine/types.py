@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, NamedTuple
@@ -35,6 +36,36 @@ class Fault(StrEnum):
     STAGE_FROZEN = "stage_frozen"  # the watchdog: the stage stopped answering, the replica restarts
     REPLICA_LOST = "replica_lost"  # the ingress lost the engine replica's output stream
     SHUTDOWN = "shutting_down"  # the replica drains (Serve stops it): retried, never resumed
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """The one value a request crosses into the engine as: its prompt as token ids (packed, four
+    bytes a token: made by the ingress, which templates and tokenises), its sampling, its
+    choices (``n``: followers seeded ``seed + i``), its slot pin and prefix reuse, and for a
+    resumed choice how many of the prompt's last tokens it had generated (``n_resumed``)."""
+
+    id: str
+    prompt: bytes
+    params: SamplingParams
+    n: int = 1
+    id_slot: int = -1
+    cache_prompt: bool = True
+    n_resumed: int = 0
+
+    @classmethod
+    def of(cls, request_id: str, tokens: list[int], params: SamplingParams, **kw: Any) -> EngineRequest:
+        return cls(request_id, array("i", tokens).tobytes(), params, **kw)
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        a = array("i")
+        a.frombytes(self.prompt)
+        return a.tolist()
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.prompt) // 4
 
 
 class Decode(NamedTuple):

@@ -1,9 +1,14 @@
-"""A stand-in for a Serve deployment handle in unit tests: ``handle.method.remote(...)`` calls
-the subclass's ``_method``, and ``options(...)`` returns the handle itself."""
+"""Stand-ins for the ingress's engine in unit tests: a Serve deployment handle
+(``handle.method.remote(...)`` calls the subclass's ``_method``, and ``options(...)`` returns
+the handle itself), and a prompt maker of a fake model (``fake_maker``: a chat's prompt is its
+messages as JSON, a text's tokens its first characters')."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+from deployments.prompts import MakerConfig, PromptMaker
 
 
 class FakeHandle:
@@ -20,3 +25,37 @@ class FakeHandle:
 
     async def _info(self, **_: Any) -> dict:
         return {"healthy": True}
+
+
+def fake_tokens(text: str | list[int]) -> list[int]:
+    if isinstance(text, list):
+        return list(text)
+    return [1 + ord(ch) % 97 for ch in text[:40]] or [1]
+
+
+class FakeTemplate:
+    source, builtin = "", True
+
+
+class FakeTokenizer:
+    """The fake model's tokenizer: a chat's prompt is its messages as the router reads them, a
+    text's tokens are its first characters'."""
+
+    template = FakeTemplate()
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **_: Any) -> str:
+        return json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
+
+    def encode(self, text: str, **_: Any) -> list[int]:
+        return fake_tokens(text)
+
+    def decode(self, tokens: list[int]) -> str:
+        return "".join(f"<{t}>" for t in tokens)
+
+
+class FakeVocab:
+    n_vocab = 1000
+
+
+def fake_maker() -> PromptMaker:
+    return PromptMaker(FakeTokenizer(), FakeVocab(), 512, 4, MakerConfig(4, 512))

@@ -319,8 +319,9 @@ def test_same_origin_compares_scheme_default_ports():
 
 
 def test_the_http_layer_never_loads_llama_cpp():
-    """The ingress and the app builder read requests and configs without native code (their
-    processes never map llama.cpp)."""
+    """Importing the ingress and the app builder loads no native code: configs and requests are
+    read without it (the ingress maps llama.cpp's tokenizer only when it makes its first prompt:
+    the model's vocabulary, no weights, no device)."""
     code = ("import sys, deployments.ingress, deployments.app, engine.config, engine\n"
             "engine.SamplingParams, engine.RequestError, engine.Output\n"
             "assert 'llama_cpp' not in sys.modules, sorted(m for m in sys.modules if m.startswith('engine'))")

@@ -15,6 +15,7 @@ import pytest
 from deployments.api.openai import CompletionRequest
 from deployments.api.values import Submitted
 from deployments.engine_deployment import NOT_CONNECTED, EngineDeployment
+from deployments.prompts import PromptMaker
 from engine.types import SHUTTING_DOWN, Decode, Output
 
 LONG = {"prompt": "a long request", "max_tokens": 100_000, "ignore_eos": True}
@@ -43,6 +44,13 @@ def run(model_path: str, body: Callable, **cfg: Any) -> None:
     asyncio.run(main())
 
 
+async def submit(d: Any, conn: str, rid: str, api_req: Any) -> Any:
+    """``api_req``'s prompt made as the ingress makes it (with the engine's own tokenizer), then
+    submitted on ``conn``."""
+    er = api_req.served_as().prepare(PromptMaker.of_engine(d.engine), rid).request
+    return await d.submit(conn, er)
+
+
 async def connect(d: Any, ingress: str, conn: str) -> Any:
     stream = d.outputs(ingress, conn)
     hello = await stream.__anext__()
@@ -57,7 +65,7 @@ async def next_outputs(stream: Any, timeout: float = 30.0) -> list[Output]:
 def test_a_second_stream_of_one_ingress_neither_takes_nor_drops_the_firsts_requests(model_path):
     async def body(d: Any) -> None:
         a = await connect(d, "ingress-1", "conn-a")
-        res = await d.submit("conn-a", "r1", CompletionRequest(**LONG))
+        res = await submit(d, "conn-a", "r1", CompletionRequest(**LONG))
         assert isinstance(res, Submitted), res
         b = await connect(d, "ingress-1", "conn-b")  # the same ingress opens a second stream
         outs = await next_outputs(a)
@@ -79,16 +87,16 @@ def test_a_second_stream_of_one_ingress_neither_takes_nor_drops_the_firsts_reque
 
 def test_a_submit_on_a_connection_this_replica_does_not_hold_is_503(model_path):
     async def body(d: Any) -> None:
-        res = await d.submit("never-opened", "r1", CompletionRequest(**SHORT))
+        res = await submit(d, "never-opened", "r1", CompletionRequest(**SHORT))
         assert res.status == 503 and res.message == NOT_CONNECTED
         assert d.tables()["owners"] == 0
 
     run(model_path, body)
 
 
-def test_tokenising_runs_off_the_event_loop(model_path):
-    """While one request's prompt is being prepared, the loop that delivers every stream
-    keeps running: another call completes before the preparation does."""
+def test_accepting_a_request_runs_off_the_event_loop(model_path):
+    """While one request is being accepted (its checks, its grammar's compilation), the loop
+    that delivers every stream keeps running: another call completes before it does."""
 
     async def body(d: Any) -> None:
         stream = await connect(d, "ingress-1", "c")  # held: a stream that is dropped closes
@@ -102,13 +110,13 @@ def test_tokenising_runs_off_the_event_loop(model_path):
             return real(*a, **kw)
 
         d.engine.make_request = slow_make_request
-        submit = asyncio.create_task(d.submit("c", "r1", CompletionRequest(**SHORT)))
+        task = asyncio.create_task(submit(d, "c", "r1", CompletionRequest(**SHORT)))
         while not entered.is_set():
             await asyncio.sleep(0.01)
         info = await asyncio.wait_for(d.info(), 5)  # the loop is free meanwhile
-        assert info["model"] and not release.is_set() and not submit.done()
+        assert info["model"] and not release.is_set() and not task.done()
         release.set()
-        assert isinstance(await submit, Submitted)
+        assert isinstance(await task, Submitted)
         await stream.aclose()
 
     run(model_path, body)
@@ -117,7 +125,7 @@ def test_tokenising_runs_off_the_event_loop(model_path):
 def test_the_watchdog_fails_in_flight_requests_and_reports_unhealthy(model_path):
     async def body(d: Any) -> None:
         s = await connect(d, "ingress-1", "c")
-        assert isinstance(await d.submit("c", "r1", CompletionRequest(**LONG)), Submitted)
+        assert isinstance(await submit(d, "c", "r1", CompletionRequest(**LONG)), Submitted)
         await next_outputs(s)
         d.engine.decodes = lambda: [Decode(0, 10.0, None, 1.0)]  # a decode blocked for 10 s on the peer
         deadline = time.monotonic() + 10
@@ -133,7 +141,7 @@ def test_the_watchdog_fails_in_flight_requests_and_reports_unhealthy(model_path)
         with pytest.raises(RuntimeError):
             d.check_health()
         assert not (await d.info())["healthy"]
-        assert (await d.submit("c", "r2", CompletionRequest(**SHORT))).status == 503
+        assert (await submit(d, "c", "r2", CompletionRequest(**SHORT))).status == 503
         deadline = time.monotonic() + 10
         while not replaced:  # the frozen server is replaced, not waited for
             assert time.monotonic() < deadline, "the watchdog did not ask for a fresh server"
@@ -164,8 +172,8 @@ def test_the_watchdog_fails_in_flight_requests_and_reports_unhealthy(model_path)
 def test_drain_finishes_short_requests_and_cuts_long_ones_with_an_error(model_path):
     async def body(d: Any) -> None:
         s = await connect(d, "ingress-1", "c")
-        assert isinstance(await d.submit("c", "long", CompletionRequest(**LONG)), Submitted)
-        assert isinstance(await d.submit("c", "short", CompletionRequest(**SHORT)), Submitted)
+        assert isinstance(await submit(d, "c", "long", CompletionRequest(**LONG)), Submitted)
+        assert isinstance(await submit(d, "c", "short", CompletionRequest(**SHORT)), Submitted)
         res = await d.drain(1.0)
         assert res["cut"] == 1
         finals: dict[str, Output] = {}
@@ -179,19 +187,40 @@ def test_drain_finishes_short_requests_and_cuts_long_ones_with_an_error(model_pa
         assert finals["short"].finish_reason == "length"
         assert finals["long"].finish_reason == "error" and finals["long"].error == SHUTTING_DOWN
         assert finals["long"].status == 503
-        assert (await d.submit("c", "late", CompletionRequest(**SHORT))).status == 503
+        assert (await submit(d, "c", "late", CompletionRequest(**SHORT))).status == 503
 
     run(model_path, body, n_ctx=65536)  # the long request cannot finish in the grace time on a fast CPU
 
 
 def test_llama_servers_utility_endpoints(model_path):
+    """The tokenizer's endpoints run in the ingress's client on the model's vocabulary (here the
+    engine's own tokenizer), /props is shaped there from the replica's report."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from deployments.api.base import ApiError, read_request
-    from deployments.api.llama import ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest
+    from deployments.api.llama import (
+        ApplyTemplateRequest,
+        DetokenizeRequest,
+        TokenizeRequest,
+        llama_props,
+    )
+    from deployments.client import EngineClient
+    from deployments.resume import ResumeSettings
 
     def tok(**body: Any) -> TokenizeRequest:
         return read_request(TokenizeRequest, body)[0]
 
     async def body(d: Any) -> None:
+        client = EngineClient(None, 1.0, None, ResumeSettings(), ThreadPoolExecutor(1))
+        client.makers._maker = PromptMaker.of_engine(d.engine)  # noqa: SLF001
+
+        async def call(req: Any) -> Any:
+            try:
+                return await client.call(req, 0)
+            except ApiError as e:
+                return e
+
+        d.run = call
         toks = (await d.run(tok(content="hello world")))["tokens"]
         assert toks and all(isinstance(t, int) for t in toks)
         assert (await d.run(tok(content="hello world", add_special=True)))["tokens"][1:] == toks
@@ -204,7 +233,7 @@ def test_llama_servers_utility_endpoints(model_path):
             read_request(TokenizeRequest, {"content": 5})
         prompt = (await d.run(ApplyTemplateRequest(messages=[{"role": "user", "content": "hi"}])))["prompt"]
         assert "hi" in prompt and prompt != "hi"
-        props = await d.props()
+        props = llama_props(d.engine.tokenizer, await d.props())
         assert props["total_slots"] == 2 and props["default_generation_settings"]["n_ctx"] == d.engine.n_ctx_slot
         assert props["chat_template"]
 
@@ -240,7 +269,7 @@ def test_props_params_sent_back_are_served_with_their_meaning(model_path):
     seed 4294967295 random, n_probs 0 no probabilities, the default chain named in full), and
     the request served."""
     from deployments.api.base import ApiError, read_request
-    from deployments.api.llama import LlamaCompletionRequest
+    from deployments.api.llama import LlamaCompletionRequest, llama_props
     from deployments.api.openai import ChatCompletionRequest
     from engine.params import SamplingParams
 
@@ -248,7 +277,7 @@ def test_props_params_sent_back_are_served_with_their_meaning(model_path):
               (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]}))
 
     async def body(d: Any) -> None:
-        ours = (await d.props())["default_generation_settings"]["params"]
+        ours = llama_props(d.engine.tokenizer, await d.props())["default_generation_settings"]["params"]
         n_ctx, spec = d.engine.n_ctx_slot, d.config.speculative is not None
         seed = d.config.seed if d.config.seed >= 0 else None
         written = [(ours, SamplingParams(max_tokens=n_ctx, seed=seed, speculative=spec)),
@@ -262,7 +291,7 @@ def test_props_params_sent_back_are_served_with_their_meaning(model_path):
                 assert unknown == [] and req.stream is True and req.n_logprobs() is None, (model, unknown)
                 assert req.sampling(n_ctx) == meant, (model, i, req.sampling(n_ctx))
                 rid = f"r{i}-{model.__name__}"
-                res = await d.submit("c", rid, req)  # until the slot is full (n_predict -1): cut once it runs
+                res = await submit(d, "c", rid, req)  # until the slot is full (n_predict -1): cut once it runs
                 assert isinstance(res, Submitted) and res.n_predict > 0, res
                 while rid not in {o.request_id for o in await next_outputs(stream)}:
                     pass

@@ -14,7 +14,7 @@ from engine import Engine, EngineConfig, RequestError
 from engine.infill import FimTokens, infill_tokens
 from engine.synthetic_model import ModelShape, write_model
 from engine.types import Output
-from tests.test_deployment import connect, next_outputs, run
+from tests.test_deployment import connect, next_outputs, run, submit
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_infill_through_the_engine_deployment(fim_model):
                                             "input_extra": [{"text": "import os", "filename": "u.py"}],
                                             "n_predict": 6, "samplers": "edkypmxt", "cache_prompt": True,
                                             "t_max_prompt_ms": 500, "t_max_predict_ms": 1000, "ignore_eos": True})
-        res = await d.submit("c", "fim-1", req)
+        res = await submit(d, "c", "fim-1", req)  # its prompt made as the ingress makes it
         assert isinstance(res, Submitted) and res.prompt_tokens > 10, res
         final: Output | None = None
         while final is None:

@@ -29,8 +29,7 @@ from deployments.api.openai import ChatCompletionRequest, CompletionRequest
 from deployments.api.values import Submitted
 from engine.chat import Bound, ChatTemplate, TooLong
 from engine.tokenizer import TokenLimit
-from tests.fake_handle import FakeHandle
-from tests.test_deployment import connect, run
+from tests.fake_handle import FakeHandle, fake_maker
 
 SLOT = dict(n_ctx=512, n_parallel=2)  # 256 tokens a slot
 
@@ -165,7 +164,7 @@ class _Engine(FakeHandle):
 
         return stream()
 
-    async def _submit(self, conns: dict, rid: str, req: Any, **_: Any) -> Submitted:
+    async def _submit(self, conns: dict, req: Any, **_: Any) -> Submitted:
         return Submitted(3, 10, "replica-1", conns["replica-1"], 512)
 
     async def _cancel(self, *_: Any, **__: Any) -> bool:
@@ -216,6 +215,7 @@ def test_no_body_is_kept_once_parsed_not_for_a_streams_life(monkeypatch):
     async def main() -> None:
         ing = object.__new__(cls)
         await cls.__init__(ing, _Engine(), ["m"])
+        ing.client.makers._maker = fake_maker()  # noqa: SLF001 - the ingress makes the prompts (of a fake model)
         monkeypatch.setattr(ingress_module, "_CURRENT", [ing])  # the routes' Ingress (Serve's rewrite copies it)
         for path, obj in bodies.items():
             raw = json.dumps(obj).encode()
@@ -242,36 +242,41 @@ def test_no_body_is_kept_once_parsed_not_for_a_streams_life(monkeypatch):
 # ---- off the loop, bounded, large apart from small ----------------------------------------------------
 
 
-def test_prompts_are_made_on_bounded_pools_large_bodies_apart(model_path):
-    """A large body's prompt is made on the one thread for large bodies: while it is held
-    there, a small request's prompt is made and queued, and the loop answers."""
-    from deployments.engine_deployment import LARGE_BODY_BYTES, PREPARE_THREADS
+def test_prompts_are_made_on_bounded_pools_large_bodies_apart(make_engine):
+    """A large body's prompt is made (in the ingress's engine client) on the one thread for
+    large bodies: while it is held there, a small request's prompt is made, and the loop runs."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    async def body(d: Any) -> None:
-        stream = await connect(d, "ingress-1", "c")
-        release, entered = threading.Event(), threading.Event()
-        threads: dict[str, str] = {}
-        real = d.engine.make_request
+    from deployments.client import LARGE_BODY_BYTES, PREPARE_THREADS, EngineClient
+    from deployments.prompts import PromptMaker
+    from deployments.resume import ResumeSettings
 
-        def make_request(prompt: Any, *a: Any, **kw: Any) -> Any:
-            threads[prompt] = threading.current_thread().name
-            if prompt == "large":
-                entered.set()
-                release.wait(30)
-            return real(prompt, *a, **kw)
+    maker = PromptMaker.of_engine(make_engine(n_parallel=2))
+    release, entered = threading.Event(), threading.Event()
+    threads: dict[str, str] = {}
+    real = maker.make_request
 
-        d.engine.make_request = make_request
-        large = asyncio.create_task(d.submit("c", "r1", CompletionRequest(prompt="large", max_tokens=2),
-                                             n_bytes=LARGE_BODY_BYTES + 1))
+    def make_request(prompt: Any, *a: Any, **kw: Any) -> Any:
+        threads[prompt] = threading.current_thread().name
+        if prompt == "large":
+            entered.set()
+            release.wait(30)
+        return real(prompt, *a, **kw)
+
+    maker.make_request = make_request  # type: ignore[method-assign]
+
+    async def main() -> None:
+        client = EngineClient(None, 1.0, None, ResumeSettings(), ThreadPoolExecutor(1))
+        large = asyncio.create_task(client.run(CompletionRequest(prompt="large", max_tokens=2).prepare,
+                                               LARGE_BODY_BYTES + 1, maker, "r1"))
         while not entered.is_set():
             await asyncio.sleep(0.01)
-        small = await d.submit("c", "r2", CompletionRequest(prompt="small", max_tokens=2), n_bytes=100)
-        assert isinstance(small, Submitted) and not large.done()
-        assert (await d.info())["model"]
+        small = await client.run(CompletionRequest(prompt="small", max_tokens=2).prepare, 100, maker, "r2")
+        assert small.request.id == "r2" and not large.done()
         release.set()
-        assert isinstance(await large, Submitted)
+        assert (await large).request.id == "r1"
         assert threads["large"].startswith("prepare-large") and threads["small"].startswith("prepare_")
-        assert d._prepare._max_workers == PREPARE_THREADS and d._prepare_large._max_workers == 1  # noqa: SLF001
-        await stream.aclose()
+        assert client._prepare._max_workers == PREPARE_THREADS and client._prepare_large._max_workers == 1  # noqa: SLF001
+        await client.close()
 
-    run(model_path, body)
+    asyncio.run(main())

@@ -17,11 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
-from deployments.api.values import Continuation, ResumeSpec, Submitted, _ids
+from deployments.api.llama import InfillRequest
+from deployments.api.values import Submitted
 from deployments.engine_deployment import NOT_CONNECTED
-from deployments.router import routing_text
-from engine.types import Fault, FinishReason, Output
-from tests.fake_handle import FakeHandle
+from engine.types import EngineRequest, Fault, FinishReason, Output
+from tests.fake_handle import FakeHandle, fake_maker, fake_tokens
 
 SPACE = 2**32 - 1
 STAGE_FROZEN = "the RPC stage did not answer for 61 s (stage_timeout_s 60); the engine replica restarts"
@@ -31,12 +31,6 @@ GROUP_DIED = "engine unhealthy: group 0 failed"
 def next_token(tokens: list[int], seed: int) -> int:
     """The fake model: each token a function of everything before it (greedy), and the seed."""
     return (31 * sum(tokens) + 7 * len(tokens) + 13 * seed) % 997 + 1
-
-
-def fake_tokens(text: str | list[int]) -> list[int]:
-    if isinstance(text, list):
-        return list(text)
-    return [1 + ord(ch) % 97 for ch in text[:40]] or [1]
 
 
 class Replica:
@@ -88,7 +82,7 @@ class FakeEngine(FakeHandle):
 
         return stream()
 
-    async def _submit(self, conns: dict, rid: str, req: Any, **_: Any) -> Any:
+    async def _submit(self, conns: dict, req: EngineRequest, **_: Any) -> Any:
         r = self.current
         if r.refuse:
             r.refuse -= 1
@@ -96,22 +90,16 @@ class FakeEngine(FakeHandle):
             return _api_error(503, NOT_CONNECTED)
         if conns.get(r.name) != r.conn or r.conn is None:
             return _api_error(503, NOT_CONNECTED)
-        if isinstance(req, Continuation):
-            prompt, n, params, base, spec = _ids(req.prompt), 1, [req.params], req.n_resumed, None
-            seeds = [(req.params.seed - req.n_resumed) % SPACE]
-            budget = req.params.max_tokens
-        else:
-            prompt, n = fake_tokens(routing_text(req)), req.n
-            p = req.sampling(64, getattr(req, "max_completion_tokens", None))
-            params = [p.model_copy(update={"seed": (p.seed or 0) + i}) for i in range(n)]
-            seeds, base, budget = [q.seed for q in params], 0, p.max_tokens
-            spec = ResumeSpec.of(_Request(prompt, params, budget))
+        rid, prompt, n, base, budget = req.id, req.prompt_tokens, req.n, req.n_resumed, req.params.max_tokens
+        # the engine's seeding: its own seed where none was asked (0 here), followers seed + i; a
+        # continuation's seed was advanced by the tokens it carries
+        seed = (req.params.seed - base) % SPACE if base else (req.params.seed or 0)
         ids = [rid] + [f"{rid}#{i}" for i in range(1, n)]
         self.submits.append((r.name, rid, req))
         for i, eid in enumerate(ids):
             r.running[eid] = asyncio.get_running_loop().create_task(
-                self._generate(r, eid, prompt, seeds[i], budget, params[i].logprobs, base))
-        return Submitted(len(prompt), budget, r.name, r.conn, 512, resume=spec)
+                self._generate(r, eid, prompt, seed + i, budget, req.params.logprobs, base))
+        return Submitted(len(prompt), budget, r.name, r.conn, 512, seed=seed)
 
     async def _generate(self, r: Replica, eid: str, prompt: list[int], seed: int, budget: int,
                         logprobs: int | None, base: int) -> None:
@@ -158,14 +146,6 @@ class FakeEngine(FakeHandle):
         return hit
 
 
-class _Request:
-    """What ``ResumeSpec.of`` reads of an engine request."""
-
-    def __init__(self, prompt: list[int], params: list[Any], n_predict: int) -> None:
-        self.prompt_tokens, self.n_predict, self.cache_prompt, self.id_slot = prompt, n_predict, True, -1
-        self.family = [type("M", (), {"params": p})() for p in params]
-
-
 def _api_error(status: int, message: str) -> Any:
     from deployments.api.base import ApiError
 
@@ -186,6 +166,9 @@ async def serve(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch, **kw: Any) 
     cls = ingress_module.Ingress.func_or_class.__mro__[1]
     ing = object.__new__(cls)
     await cls.__init__(ing, engine, ["m"], **kw)
+    ing.client.makers._maker = fake_maker()  # the fake model's (the ingress makes its prompts)
+    # the fake vocabulary has no FIM tokens: an infill's prompt is its text's tokens
+    monkeypatch.setattr(InfillRequest, "engine_prompt", lambda self, _maker: fake_tokens(self.prompt or "x"))
     monkeypatch.setattr(ingress_module, "_CURRENT", [ing])
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=ingress_module.app), base_url="http://127.0.0.1:8000",
                                timeout=30)
@@ -264,7 +247,7 @@ def test_a_streamed_completion_goes_on_across_a_fault_with_every_token_once(monk
         cause = {"die": "replica_lost", "cut": "stage_frozen", "fail": "engine_failed"}[cue]
         m = ing.resumer.metrics
         assert m.count(m.resumes, cause=cause) == 1 and m.pause._sum.get() > 0  # noqa: SLF001
-        cont = [req for _, _, req in engine.submits if isinstance(req, Continuation)]
+        cont = [req for _, _, req in engine.submits if req.n_resumed]
         assert len(cont) == 1 and cont[0].n_resumed == 5 and cont[0].params.max_tokens == N - 5
         assert ing.tables()["pending"] == 0
 
@@ -320,7 +303,7 @@ def test_each_of_several_choices_resumes_with_its_own_tokens(monkeypatch):
             assert c["finish_reason"] == "length"
         assert len({c["text"] for c in a["choices"]}) == 3
         assert a["usage"]["completion_tokens"] == 3 * N
-        conts = [req for _, _, req in engine.submits if isinstance(req, Continuation)]
+        conts = [req for _, _, req in engine.submits if req.n_resumed]
         assert len(conts) == 3 and sum(c.n_resumed for c in conts) == 7
 
     run(engine, monkeypatch, body)

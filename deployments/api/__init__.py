@@ -1,6 +1,6 @@
 """The HTTP APIs, one module each: OpenAI's (``openai``, ``responses``), llama-server's
 (``llama``) and Anthropic's (``anthropic``). A module holds its request models, how their
-prompts are made (run on the engine replica), its answer shapers and its endpoint objects
+prompts are made (in the ingress, through ``deployments.prompts``), its answer shapers and its endpoint objects
 (``ENDPOINTS``), plus routes of its own that are not a body and an answer (``ROUTES``). The
 ingress serves every endpoint of every module; adding an API is adding a module here."""
 

@@ -130,7 +130,7 @@ class CountTokensRequest(MessagesRequest):
     max_tokens: int = Field(default=1, ge=1, le=1_000_000)
 
     def run(self, engine: Engine) -> dict[str, int]:
-        """The prompt tokens the chat request would have (on the engine replica); a prompt no
+        """The prompt tokens the chat request would have (in the ingress); a prompt no
         slot can hold is refused as the request itself would be, without tokenising it in full."""
         prompt, _, _ = chat_prompt(engine.tokenizer, self.to_chat(), engine.n_ctx_slot, engine.slot_limit)
         return {"input_tokens": len(engine.tokenize_prompt(prompt))}

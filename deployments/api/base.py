@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
 
+from deployments.errors import CLIENT_ERRORS, ERROR_TYPES, ApiError, error_type  # noqa: F401 - their home
+
 MAX_PROMPT_CHARS = 1_000_000
 MAX_JSON_DEPTH = 64  # objects and arrays inside each other in a request body
 # What a body may hold, whatever its size: a value costs far more once parsed and validated than
@@ -33,30 +35,6 @@ _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 MAX_FIELD_NAME = 100  # characters of an unknown field's name that are kept (logged, counted)
 MAX_UNKNOWN_PER_BODY = 32  # unknown field names kept of one body
 NEG_INF_LOGPROB = -9999.0  # how OpenAI and vLLM write a log probability of minus infinity
-
-
-# what a value of the wrong shape raises in a validator, a conversion or a prompt's making:
-# the client's 400 wherever it is met (the ingress's boundary, the engine's prepare and run)
-CLIENT_ERRORS = (ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError)
-
-
-class ApiError(ValueError):
-    """Every error answer, wherever it is met: raised by a validator, a conversion or a check of
-    the ingress, returned as a value by an engine replica across Ray (it pickles whole), and
-    rendered once, in the endpoint's own error shape, by the ingress's handler. A 429 or 503
-    tells the client when to retry."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.headers = headers if headers is not None else ({"Retry-After": "1"} if status in (429, 503) else None)
-
-    def __reduce__(self) -> tuple:
-        return (type(self), (self.status, self.message, self.param, self.headers))
-
-    @property
-    def type(self) -> str:
-        return error_type(self.status)
 
 
 def _finite_float(text: str) -> float:
@@ -238,28 +216,6 @@ def read_request(model_cls: type[BaseModel], body: dict[str, Any], strict: bool 
 
 # ---- errors --------------------------------------------------------------------------------------
 
-ERROR_TYPES = {  # OpenAI's error type of each status we answer with
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    408: "timeout_error",
-    409: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    431: "invalid_request_error",
-    500: "server_error",
-    501: "not_supported_error",
-    503: "server_error",
-    504: "timeout_error",
-}
-
-
-def error_type(status: int) -> str:
-    return ERROR_TYPES.get(status, "server_error")
-
-
 def error_body(message: str, type_: str, code: int | str | None = None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
@@ -385,21 +341,17 @@ class Generate:
     summary: str = ""
 
 
-def on_engine(engine: Any, req: Any, n_bytes: int = 0) -> Awaitable[Any]:
-    """``req.run(engine)`` on an engine replica (the engine deployment's ``run``); ``n_bytes``:
-    the body's size, which picks the thread pool it runs on there."""
-    return engine.run.remote(req, n_bytes=n_bytes)
-
-
 @dataclass(frozen=True)
 class Call:
-    """An endpoint whose body is one call on the engine replica and one JSON answer:
-    ``call(engine_handle, request, body_bytes)`` is awaited (by default the request's own ``run``
-    there); ``answer(result, request, model)`` is the body of a result that is not an ``ApiError``."""
+    """An endpoint whose body is one call and one JSON answer: ``call(engine_handle, request,
+    body_bytes)`` is awaited, a call on an engine replica; None (the default): the request's own
+    ``run(maker)`` in the ingress, which needs only the model's vocabulary and template
+    (``deployments.prompts``). ``answer(result, request, model)`` is the body of a result that
+    is not an ``ApiError``."""
 
     paths: tuple[str, ...]
     request: type[BaseModel]
-    call: Callable[[Any, Any, int], Awaitable[Any]] = on_engine
+    call: Callable[[Any, Any, int], Awaitable[Any]] | None = None
     answer: Callable[[Any, Any, str], Any] = lambda result, _req, _model: result
     error: ErrorShape = openai_error
     summary: str = ""

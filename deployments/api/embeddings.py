@@ -1,19 +1,17 @@
 """OpenAI's ``/v1/embeddings`` (and llama-server's ``/embedding``, which names the input
-``content``): the request, its run on the engine replica's embedder (a context and thread of
+``content``): the request, its call on an engine replica's embedder (a context and thread of
 its own), and its answer, floats or base64."""
 
 from __future__ import annotations
 
 import base64
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Awaitable
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from deployments.api.base import MAX_PROMPT_CHARS, ApiError, ApiModel, Call
-from deployments.api.values import Embedded
-
-if TYPE_CHECKING:
-    from engine.engine import Engine
+from deployments.contract import Embedded
 
 
 class EmbeddingRequest(ApiModel):
@@ -44,16 +42,10 @@ class EmbeddingRequest(ApiModel):
             return [x]  # one text, or one list of token ids
         return list(x or [])
 
-    def run(self, engine: Engine) -> Embedded:
-        """The vectors (on the engine replica; the embedder has a context and thread of its own)."""
-        if engine.embedder is None:
-            raise ApiError(501, "this server does not serve embeddings: set embeddings: true in its config "
-                           "(llama-server's --embeddings)")
-        n_embd = engine.embedder.n_embd
-        if self.dimensions is not None and self.dimensions != n_embd:
-            raise ApiError(400, f"dimensions must be the model's own, {n_embd} (vectors are not cut)", "dimensions")
-        vectors, n = engine.embed(self.inputs())
-        return Embedded(vectors, n)
+
+def embed(engine: Any, req: EmbeddingRequest, n_bytes: int) -> Awaitable[Embedded | ApiError]:
+    """The vectors, on an engine replica (its embedder has a context and thread of its own)."""
+    return engine.embed.remote(req.inputs(), req.dimensions, n_bytes=n_bytes)
 
 
 def _embeddings_answer(res: Embedded, req: EmbeddingRequest, model: str) -> dict[str, Any]:
@@ -64,5 +56,5 @@ def _embeddings_answer(res: Embedded, req: EmbeddingRequest, model: str) -> dict
             "usage": {"prompt_tokens": res.n_tokens, "total_tokens": res.n_tokens}}
 
 
-EMBEDDINGS = Call(("/v1/embeddings", "/embeddings"), EmbeddingRequest, answer=_embeddings_answer, summary="OpenAI's embeddings: a normalised vector per input, as floats or "
+EMBEDDINGS = Call(("/v1/embeddings", "/embeddings"), EmbeddingRequest, call=embed, answer=_embeddings_answer, summary="OpenAI's embeddings: a normalised vector per input, as floats or "
                   "base64 (float32)")

@@ -23,7 +23,7 @@ from deployments.api.base import (
     read_request,
     sse,
 )
-from deployments.api.embeddings import EmbeddingRequest
+from deployments.api.embeddings import EmbeddingRequest, embed
 from deployments.api.generation import prompt_progress, timings
 from deployments.api.openai import ChatMessage, CompletionRequest, template_messages
 from deployments.api.values import Prepared
@@ -93,7 +93,7 @@ class InfillRequest(LlamaCompletionRequest):
         return [(c.filename, c.text) for c in self.input_extra]
 
     def engine_prompt(self, engine: Engine) -> list[int]:
-        from engine.infill import infill_tokens  # native: only on the engine replica
+        from engine.infill import infill_tokens  # native: imported where a prompt is made
 
         asked = max(self.n_predict or 0, self.max_tokens or 0, 0)
         return infill_tokens(engine.tokenizer, self.input_prefix, self.input_suffix, self.prompt, self.extra(),
@@ -235,7 +235,7 @@ INFILL = Generate(("/infill",), InfillRequest, "cmpl-", LlamaShaper,
                   summary="llama-server's fill-in-the-middle, from the model's FIM tokens")
 
 
-# ---- the utility endpoints (each runs on the engine replica, off its event loop) -----------------
+# ---- the utility endpoints (each runs in the ingress, on its prompt threads) ----------------------
 
 
 def piece_json(piece: bytes) -> str | list[int]:
@@ -303,7 +303,7 @@ TOKENIZE = Call(("/tokenize",), TokenizeRequest, summary="llama-server's tokeniz
 DETOKENIZE = Call(("/detokenize",), DetokenizeRequest, summary="llama-server's detokenizer")
 APPLY_TEMPLATE = Call(("/apply-template",), ApplyTemplateRequest,
                       summary="llama-server's: the prompt the chat template makes of messages")
-EMBEDDING = Call(("/embedding",), EmbeddingRequest,
+EMBEDDING = Call(("/embedding",), EmbeddingRequest, call=embed,
                  answer=lambda res, _req, _model: [{"index": i, "embedding": [v.tolist()]} for i, v in enumerate(res.vectors)],
                  summary="llama-server's embeddings: [{index, embedding: [vector]}]")
 
@@ -313,17 +313,18 @@ ENDPOINTS = (LLAMA, INFILL, TOKENIZE, DETOKENIZE, APPLY_TEMPLATE, EMBEDDING)
 # ---- state: props and slots ----------------------------------------------------------------------
 
 
-def llama_props(engine: Any, config: Any, topology: dict) -> dict:
-    """llama-server's ``/props`` of an engine replica, with every field its web UI, Zed and
-    SillyTavern read, and this server's own (groups, devices, topology)."""
-    tok = engine.tokenizer
+def llama_props(tok: Any, report: dict) -> dict:
+    """llama-server's ``/props`` of an engine replica (``report``: its ``props()``; ``tok``: the
+    model's tokenizer, the ingress's), with every field its web UI, Zed and SillyTavern read,
+    and this server's own (groups, devices, topology)."""
+    config, n_ctx_slot = report["config"], report["n_ctx_slot"]
     return {
         "default_generation_settings": {
-            "id": 0, "id_task": -1, "n_ctx": engine.n_ctx_slot, "is_processing": False,
-            "speculative": config.speculative is not None, "params": llama_params(engine.n_ctx_slot, config),
+            "id": 0, "id_task": -1, "n_ctx": n_ctx_slot, "is_processing": False,
+            "speculative": config.speculative is not None, "params": llama_params(n_ctx_slot, config),
         },
         "total_slots": config.n_parallel,
-        "model_alias": engine.model_name,
+        "model_alias": report["model_name"],
         "model_path": config.model,
         "modalities": {"vision": False, "audio": False, "video": False},
         "endpoint_slots": True, "endpoint_props": True, "endpoint_metrics": True,
@@ -341,8 +342,8 @@ def llama_props(engine: Any, config: Any, topology: dict) -> dict:
         "build_info": f"pipeline-groups {_version()} (llama-cpp-python {_llama_cpp_version()})",
         "is_sleeping": False,
         "pipeline_groups": config.pipeline_groups,
-        "devices": engine.devices,
-        "topology": topology,
+        "devices": report["devices"],
+        "topology": report["topology"],
     }
 
 
@@ -370,22 +371,23 @@ def llama_params(n_ctx_slot: int, config: Any) -> dict[str, Any]:
     }
 
 
-def llama_slots(engine: Any, config: Any, replica: str) -> list[dict]:
-    """llama-server's ``/slots`` rows of an engine replica, each with its group and replica."""
+def llama_slots(report: dict) -> list[dict]:
+    """llama-server's ``/slots`` rows of an engine replica (``report``: its ``slots()``), each
+    with its group and replica."""
     return [
         {
-            "id": v.id,
-            "n_ctx": engine.n_ctx_slot,  # llama.cpp's web UI sizes its context by it
-            "speculative": config.speculative is not None,
-            "is_processing": v.state != "idle",
-            "group": v.group,
-            "seq_id": v.seq_id,
-            "state": v.state,
-            "n_cached_tokens": v.n_cached,
-            "id_task": v.request_id,
-            "replica": replica,
+            "id": v["id"],
+            "n_ctx": report["n_ctx_slot"],  # llama.cpp's web UI sizes its context by it
+            "speculative": report["speculative"],
+            "is_processing": v["state"] != "idle",
+            "group": v["group"],
+            "seq_id": v["seq_id"],
+            "state": v["state"],
+            "n_cached_tokens": v["n_cached"],
+            "id_task": v["request_id"],
+            "replica": report["replica"],
         }
-        for v in engine.slot_views()
+        for v in report["slots"]
     ]
 
 
@@ -406,13 +408,14 @@ def _llama_cpp_version() -> str:
 
 
 async def props(ing: Any, request: Request) -> Response:
-    return JSONResponse(await ing.engine.props.remote())
+    report = await ing.engine.props.remote()
+    return JSONResponse(llama_props((await ing.client.maker()).tokenizer, report))
 
 
 async def slots(ing: Any, request: Request) -> Response:
     """Every engine replica's slots (each names its replica)."""
     parts = await ing.each_replica(lambda engine, replica: engine.slots.remote(replica=replica))
-    return JSONResponse([s for part in parts for s in part])
+    return JSONResponse([s for part in parts for s in llama_slots(part)])
 
 
 class SlotFile(ApiModel):

@@ -1,6 +1,6 @@
-"""The values that cross Ray between the ingress and an engine replica, besides the requests
-themselves: what a replica says of a request it took (and what resuming it needs), the
-request that resumes one choice, how the ingress reads a tools answer, an embedding result."""
+"""The ingress's values of a request beside the engine's: what preparing its prompt gives (the
+``EngineRequest`` and how to shape its answer), what resuming it needs (``ResumeSpec``, kept
+by the ingress that made it), how the ingress reads a tools answer, an embedding result."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
+from deployments.contract import Embedded, Submitted  # noqa: F401 - the engine's answers, re-exported
 from engine.tools import ToolCallStream, limit_calls, parse_tool_calls
+from engine.types import EngineRequest
 
 
 @dataclass(frozen=True)
@@ -30,10 +32,10 @@ class ToolSettings:
 
 @dataclass(frozen=True)
 class Prepared:
-    """What preparing a request's prompt gives the engine replica: the engine's request and,
-    for the ingress, how to shape its answer."""
+    """What preparing a request's prompt gives (in the ingress): the engine's request and how to
+    shape its answer."""
 
-    request: Any  # engine.types.Request
+    request: Any  # engine.types.EngineRequest (an Engine's own Request where an engine prepares it)
     echo: str | None = None  # completions' echo: the prompt's text
     tools: ToolSettings | None = None
     reasoning: Any = None  # engine.reasoning.ReasoningPlan
@@ -42,17 +44,11 @@ class Prepared:
 SEED_SPACE = 2**32 - 1  # the engine's seeds
 
 
-def _ids(raw: bytes) -> list[int]:
-    a = array("i")
-    a.frombytes(raw)
-    return a.tolist()
-
-
 @dataclass(frozen=True)
 class ResumeSpec:
-    """What resuming a request on another replica needs of the engine's request: its prompt's
-    token ids (packed: four bytes a token), each choice's sampling settings (its own seed),
-    its token budget and its slot settings."""
+    """What resuming a request on another replica needs, kept by the ingress that made it: its
+    prompt's token ids (packed: four bytes a token), each choice's sampling settings (its own
+    seed), its token budget and its slot settings."""
 
     prompt: bytes
     params: tuple[Any, ...]  # engine.params.SamplingParams of each choice
@@ -61,65 +57,28 @@ class ResumeSpec:
     id_slot: int
 
     @classmethod
-    def of(cls, r: Any) -> ResumeSpec:
-        """The spec of an ``engine.types.Request`` and its followers."""
-        return cls(array("i", r.prompt_tokens).tobytes(), tuple(m.params for m in r.family), r.n_predict,
-                   r.cache_prompt, r.id_slot)
+    def of(cls, er: EngineRequest, res: Submitted) -> ResumeSpec:
+        """The spec of the request ``er`` an engine replica took (``res``: its budget, and the
+        seed it chose for several choices that asked none); choice ``i`` is seeded ``seed + i``,
+        as the engine seeds its followers."""
+        p = er.params
+        if res.seed is not None and p.seed is None:
+            p = p.model_copy(update={"seed": res.seed})
+        params = [p] + [p.model_copy(update={"seed": (p.seed + i) % SEED_SPACE}) for i in range(1, er.n)]
+        return cls(er.prompt, tuple(params), res.n_predict, er.cache_prompt, er.id_slot)
 
     @property
     def n_prompt(self) -> int:
         return len(self.prompt) // 4
 
-    def continuation(self, choice: int, generated: list[int]) -> Continuation:
+    def continuation(self, choice: int, generated: list[int], request_id: str = "") -> EngineRequest:
         """The request that goes on with choice ``choice`` after the tokens it ``generated``: those
-        tokens after the prompt, the budget less them, the same settings (a seed advanced by the
-        tokens generated, so a seeded request stays reproducible; greedy is unchanged)."""
+        tokens after the prompt (``n_resumed`` of them), the budget less them, the same settings
+        (a seed advanced by the tokens generated, so a seeded request stays reproducible; greedy
+        is unchanged). Its prefix is reused where a slot holds it, as the first request's."""
         params = self.params[choice]
         update: dict[str, Any] = {"max_tokens": self.n_predict - len(generated), "return_progress": False}
         if params.seed is not None:
             update["seed"] = (params.seed + len(generated)) % SEED_SPACE
-        return Continuation(self.prompt + array("i", generated).tobytes(), len(generated),
-                            params.model_copy(update=update), self.cache_prompt, self.id_slot)
-
-
-@dataclass(frozen=True)
-class Continuation:
-    """The request that resumes one choice on an engine replica: its prompt is the original
-    prompt and the tokens it generated (``n_resumed`` of them) before its replica failed it.
-    Submitted as an API request is (``prepare`` on the replica)."""
-
-    prompt: bytes  # token ids, packed
-    n_resumed: int
-    params: Any  # engine.params.SamplingParams
-    cache_prompt: bool
-    id_slot: int
-    n: int = 1
-
-    def prepare(self, engine: Any, request_id: str) -> Prepared:
-        r = engine.make_request(_ids(self.prompt), self.params, request_id, cache_prompt=self.cache_prompt,
-                                id_slot=self.id_slot, n_resumed=self.n_resumed)
-        return Prepared(r)
-
-
-@dataclass(frozen=True)
-class Submitted:
-    """What an engine replica tells the ingress of a request it took (the value that crosses
-    Ray back from ``submit``)."""
-
-    prompt_tokens: int
-    n_predict: int
-    replica: str
-    conn: str  # the output stream the request's outputs come by
-    n_ctx: int  # tokens per slot
-    echo: str | None = None  # completions' echo: the prompt's text
-    tools: ToolSettings | None = None
-    reasoning: Any = None  # engine.reasoning.ReasoningPlan: how a chat answer's thinking is split
-    resume: ResumeSpec | None = None  # how to resume it where it was (not for a continuation's own)
-
-
-@dataclass(frozen=True)
-class Embedded:
-    """What the engine replica returns for an embedding request."""
-
-    vectors: list  # numpy float32 arrays, one per input
-    n_tokens: int
+        return EngineRequest(request_id, self.prompt + array("i", generated).tobytes(), params.model_copy(update=update),
+                             id_slot=self.id_slot, cache_prompt=self.cache_prompt, n_resumed=len(generated))
