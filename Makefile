@@ -109,9 +109,9 @@ test-fast: install model model-synthetic
 
 # The real `ray up` path of cluster/two-sparks.yaml on two hosts made on this machine (root,
 # Linux): network, mount and PID namespaces with sshd in each, a veth between them
-# (cluster/testbed.py); tests/cluster runs against them; everything is removed after.
+# (tests/cluster/testbed.py); tests/cluster runs against them; everything is removed after.
 test-cluster: install model
-	trap '$(PY) -m cluster.testbed down' EXIT; \
+	trap '$(PY) -m tests.cluster.testbed down' EXIT; \
 	WHEEL_CACHE='$(WHEEL_CACHE)' PGROUPS_TESTBED=1 $(PY) -m pytest tests/cluster -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: install
@@ -152,7 +152,7 @@ bench-faults: install model
 # A 3.6 GB model on the two-host bed (root, Linux): load, restarts, memory and long prompts,
 # against llama-server + rpc-server on the same hosts (bench/scale.py, ~25 minutes)
 bench-scale: install model llama-server
-	trap '$(PY) -m cluster.testbed down' EXIT; \
+	trap '$(PY) -m tests.cluster.testbed down' EXIT; \
 	WHEEL_CACHE='$(WHEEL_CACHE)' LLAMA_SERVER_BIN=$(LLAMA_SERVER_DIR) $(PY) -m bench.scale $(BENCH_ARGS)
 
 bench: install model-synthetic llama-server

@@ -4,7 +4,7 @@
 of experts in Q4_K (``engine/synthetic_model.py``), 3.6 GB: 16 layers of 128 experts, 2 a
 token, so that a token costs what a 300M-parameter dense model costs while the weights weigh
 what users load over the link; its first 8 layers (half the weights) on the peer. The bed:
-``cluster/testbed.py``'s two hosts (network, mount and PID namespaces, ``ray up`` from
+``tests/cluster/testbed.py``'s two hosts (network, mount and PID namespaces, ``ray up`` from
 ``cluster/two-sparks.yaml``, ``serve run`` from ``deployments/configs/two-sparks.yaml``); the
 veth between them shaped by tc (``tbf``, both directions) to ``--rate``, and measured raw with
 one plain TCP transfer. This kernel has no ``netem``: the link's latency is the veth's own.
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-llama-server", action="store_true")
     a = ap.parse_args(argv)
     from bench.cpu import describe
-    from cluster import testbed as tb
+    from tests.cluster import testbed as tb
 
     ensure_model()
     res: dict = {"model": {"MB": round(MODEL.stat().st_size / 1e6), "shape": shlex.quote(repr(SHAPE))},

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import testbed as tb
+from tests.cluster import testbed as tb
 
 HERE = Path(__file__).resolve().parent
 FIGURES: dict[str, float | int | str] = {}

@@ -1,6 +1,6 @@
 """`ray up` for real, on two hosts made on this machine (``make test-cluster``).
 
-The bed (``cluster/testbed.py``): network namespaces ``head`` 10.77.0.1 and ``peer``
+The bed (``tests/cluster/testbed.py``): network namespaces ``head`` 10.77.0.1 and ``peer``
 10.77.0.2 joined by a veth pair, each with its own sshd, mounts and PIDs. ``ray up`` ran with a
 config made from ``cluster/two-sparks.yaml``, then ``serve run`` on the head with one made from
 ``deployments/configs/two-sparks.yaml`` (Gemma 3 270M, CPU). The tests run in file order; the
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from cluster import testbed as tb
+from tests.cluster import testbed as tb
 from tests.cluster.conftest import FIGURES
 
 pytestmark = pytest.mark.cluster

@@ -16,7 +16,7 @@
 
 The cluster config is made from ``cluster/two-sparks.yaml`` by substitution (addresses, user,
 key, ``GGML_CUDA=off``); ``ray up`` runs inside the head container, from this checkout, as on
-a real head. ``python -m cluster.testbed down`` removes everything (idempotent; ``up`` runs it
+a real head. ``python -m tests.cluster.testbed down`` removes everything (idempotent; ``up`` runs it
 first to clear a crashed run's leftovers).
 """
 
@@ -42,9 +42,9 @@ from pathlib import Path
 
 import yaml
 
-log = logging.getLogger("cluster.testbed")
+log = logging.getLogger("tests.cluster.testbed")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STATE = ROOT / ".cache" / "testbed"
 TEMPLATE = ROOT / "cluster" / "two-sparks.yaml"
 SERVE_TEMPLATE = ROOT / "deployments" / "configs" / "two-sparks.yaml"
@@ -248,7 +248,7 @@ def _write_node(node: Node, pybase: Path, house: Path, pub: str) -> None:
     )
     cache = "$HOME/.cache/pipeline-groups/wheels"
     env = (
-        "# written by cluster/testbed.py: this node reaches no package index\n"
+        "# written by tests/cluster/testbed.py: this node reaches no package index\n"
         f"export PATH={pybase / 'bin'}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n"
         f"export WHEEL_CACHE={cache}\n"
         f"export PIP_NO_INDEX=1 PIP_FIND_LINKS={cache}/{house.name} PIP_DISABLE_PIP_VERSION_CHECK=1\n"
@@ -418,26 +418,10 @@ def serve_config(topology: str = "layer_split", model_name: str | None = None, *
     args.update(overrides)
     # Ray's worker setup hook, by its environment variable (Serve's runtime_env takes no
     # worker_process_setup_hook field)
-    app["runtime_env"] = {"env_vars": {"__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR": "cluster.testbed.log_llama_placement"}}
+    app["runtime_env"] = {"env_vars": {"__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR": "cluster.placement_log.log_llama_placement"}}
     path = HEAD.home / f"pipeline-groups-testbed-{topology}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
-
-
-def log_llama_placement() -> None:
-    """Worker setup hook (the bed's serve config): llama.cpp's placement and buffer lines to the
-    worker's stderr log, which the tests read."""
-    class _Placement(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            m = record.getMessage()
-            return "assigned to device" in m or "buffer size" in m
-
-    h = logging.StreamHandler(open(2, "w", closefd=False))
-    h.addFilter(_Placement())
-    h.setFormatter(logging.Formatter("llama.cpp: %(message)s"))
-    lg = logging.getLogger("llama_cpp.native")
-    lg.setLevel(logging.DEBUG)
-    lg.addHandler(h)
 
 
 def put_model(node: Node, name: str | None = None, source: Path = MODEL) -> Path:
