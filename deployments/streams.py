@@ -144,7 +144,7 @@ class EngineStreams:
 STREAM_LOST = "the engine replica restarted; retry the request"
 
 
-class Choice:
+class ChoiceInFlight:
     """One choice of a request in flight: the engine request it runs as now (its id, the
     output stream and replica it came by), every token it has emitted to the client so far,
     and its resumes (``deployments.resume``)."""
@@ -169,7 +169,7 @@ class Pending:
     """A request's round trip as the ingress holds it: its queue (every choice's outputs, by
     whichever engine request id each runs as), the stream and replica it was submitted on, the
     engine's request as resuming needs it (``resume_from``: its prompt's token ids and settings), and
-    per choice what it has emitted (``Choice``). What the client asked and how its answer is
+    per choice what it has emitted (``ChoiceInFlight``). What the client asked and how its answer is
     shaped (each choice's text, logprobs, reasoning split, tool-call parsing) live in the
     endpoint's shaper, which a resume keeps; the text an engine held back for a stop string is
     rebuilt from the tokens on the replica a choice resumes on."""
@@ -186,7 +186,7 @@ class Pending:
         self.echo: str | None = None
         self.n = n  # choices
         members = member_ids(rid, n)
-        self.choices = [Choice(m) for m in members]
+        self.choices = [ChoiceInFlight(m) for m in members]
         self.ids: dict[str, int] = {m: i for i, m in enumerate(members)}  # every engine request id -> its choice
         self.resume_from: Any = None  # api.values.ResumeSpec: None, it cannot be resumed
         self.t0 = time.monotonic()

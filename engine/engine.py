@@ -150,7 +150,7 @@ class Engine:
                                          burst_step_s=config.prefill_burst_step_s)
             for g in range(config.pipeline_groups):
                 group = PipelineGroup(g, self.model, self.tokenizer, config, self.slots[g * per : (g + 1) * per],
-                                      self._sink, self.scheduler.release, draft_model=self.draft_model,
+                                      self._sink, self.scheduler.publish, draft_model=self.draft_model,
                                       budget=self.prefill, n_kept=self.n_kept, on_kept=self.scheduler.kept)
                 built.callback(group.close)
                 self.groups.append(group)

@@ -76,7 +76,7 @@ class PipelineGroup:
         config: EngineConfig,
         slots: list[Slot],
         sink: Sink,
-        on_release: Callable[[SlotView, bool], None],
+        publish_slot: Callable[[SlotView, bool], None],
         *,
         budget: PrefillBudget,
         draft_model: Model | None = None,
@@ -92,7 +92,7 @@ class PipelineGroup:
         self.slots = slots
         self._by_id = {s.id: s for s in slots}
         self.sink = sink
-        self.on_release = on_release
+        self.publish_slot = publish_slot
         self.n_vocab = model.n_vocab
         self.runner = Runner(index, model, config, len(slots), draft_model, n_kept)
         self.on_kept = on_kept
@@ -200,7 +200,7 @@ class PipelineGroup:
             self.sink(outs)
         # hand the slots back so that waiting requests come here and fail instead of hanging
         for s in self.slots:
-            self.on_release(s.view(), True)
+            self.publish_slot(s.view(), True)
         while True:
             msg = self.inbox.get()
             if isinstance(msg, _StopMsg):
@@ -209,7 +209,7 @@ class PipelineGroup:
                 r = msg.request
                 self.sink([Output(r.id, "", 0, FinishReason.ERROR, len(r.prompt_tokens), error=self.error, status=503,
                                   fault=Fault.ENGINE)])
-                self.on_release(self._by_id[r.slot_id].view(), True)
+                self.publish_slot(self._by_id[r.slot_id].view(), True)
             elif isinstance(msg, SlotOpMsg):
                 msg.reply.set_exception(RuntimeError(self.error))
 
@@ -228,7 +228,7 @@ class PipelineGroup:
                     else:  # never started: its slot goes back as it was
                         outs.append(Output(m.id, "", 0, FinishReason.ERROR, len(m.prompt_tokens), error=error,
                                            t_end=time.monotonic() - m.t_arrival, slot=s.id))
-                        self.on_release(s.view(), True)
+                        self.publish_slot(s.view(), True)
                 self.sink(outs)
         elif isinstance(msg, CancelMsg):
             for s in self.active:
@@ -269,7 +269,7 @@ class PipelineGroup:
         start = plan_start(s, r, self.slots, self.prefix, self.config.cache_prompt, leader)
         self.runner.begin(start, banned=self.tok.eog_tokens if r.params.ignore_eos else (), slots=self.slots)
         self.active.append(s)
-        self.on_release(s.view(), False)
+        self.publish_slot(s.view(), False)
         return s
 
     # ---- a step -----------------------------------------------------------------------------
@@ -315,7 +315,7 @@ class PipelineGroup:
         n_saves = self._n_saves()
         for s in got.began:  # published once (/slots, the page)
             self.prefix.checkpoint(s, self.slots)
-            self.on_release(s.view(), False)
+            self.publish_slot(s.view(), False)
         self._publish_kept(n_saves)
         self._publish_load()
         # the step's figures are published before its outputs leave, so whoever reads an output
@@ -366,7 +366,7 @@ class PipelineGroup:
             self.active.remove(s)
         self._publish_load()
         if release:
-            self.on_release(s.view(), True)
+            self.publish_slot(s.view(), True)
         return out
 
     def _fail_batch(self, failed: list[Slot], err: str) -> None:
@@ -404,7 +404,7 @@ class PipelineGroup:
                 n_restored = self.runner.load_slot(s, m.path)
             except BaseException:
                 # the slot's cache is gone: the scheduler must not choose it for its old prefix
-                self.on_release(s.view(), False)
+                self.publish_slot(s.view(), False)
                 raise
             res = {
                 "id_slot": s.id,
@@ -416,7 +416,7 @@ class PipelineGroup:
             raise ValueError(f"unknown slot action {m.action!r}")
         res["timings"] = {"ms": (time.perf_counter() - t0) * 1000.0}
         s.last_used = time.monotonic()
-        self.on_release(s.view(), False)
+        self.publish_slot(s.view(), False)
         return res
 
 

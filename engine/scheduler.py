@@ -252,11 +252,11 @@ class Scheduler:
         with self._lock:
             self._kept[group] = tokens
 
-    def release(self, view: SlotView, finished: bool) -> None:
-        """A group published a slot (idle again after a request, or after a slot action)."""
+    def publish(self, view: SlotView, freed: bool) -> None:
+        """A group publishes a slot's view (``freed``: idle again after a request or a slot action)."""
         with self._lock:
             self._views[view.id] = view
-            if not finished:
+            if not freed:
                 return
             self._slot_prompt.pop(view.id, None)
             rid = self._slot_request.pop(view.id, None)

@@ -48,12 +48,12 @@ class Bed:
 
     def finish(self, slot: int, cached: list[int] | None = None) -> None:
         v = self.views[slot]
-        self.s.release(SlotView(v.id, v.group, v.seq_id, "idle", len(cached or ()), None,
+        self.s.publish(SlotView(v.id, v.group, v.seq_id, "idle", len(cached or ()), None,
                                 np.asarray(cached or [], np.int32)), True)
 
     def state(self, slot: int, state: str) -> None:
         v = self.views[slot]
-        self.s.release(SlotView(v.id, v.group, v.seq_id, state, 0, "x", np.zeros(0, np.int32)), False)
+        self.s.publish(SlotView(v.id, v.group, v.seq_id, state, 0, "x", np.zeros(0, np.int32)), False)
 
     def last(self) -> tuple[str, int]:
         r = self.started[-1]
