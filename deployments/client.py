@@ -91,7 +91,13 @@ class EngineClient:
         except Exception as e:  # no replica serves yet
             raise ApiError(503, f"the engine is not available (starting or restarting); retry ({type(e).__name__})") \
                 from None
-        return await asyncio.get_running_loop().run_in_executor(self._prepare, self.makers.get, info)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._prepare, self.makers.get, info)
+        except Exception as e:  # the GGUF is not on this node at the engine's path, or unreadable
+            log.error("the ingress could not load the model's vocabulary from %s: %r", info.get("model_path"), e)
+            raise ApiError(503, f"the ingress cannot read the model's vocabulary ({info.get('model_path')!r}: "
+                           f"{type(e).__name__}); the model file must be on the ingress's node at the engine's path") \
+                from None
 
     async def run(self, fn: Callable[..., Any], n_bytes: int, *args: Any) -> Any:
         """``fn(*args)`` (a prompt's making, an API call's run) on this client's threads for a body

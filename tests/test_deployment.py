@@ -424,3 +424,29 @@ def test_a_stream_that_fails_mid_way_ends_with_its_endpoints_own_error_event():
     body = json.loads(data.removeprefix("data: "))
     assert body["type"] == "error" and body["error"]["type"] == "api_error"
     assert body["error"]["message"] == "the stream failed: KeyError"
+
+
+def test_an_ingress_that_cannot_read_the_vocabulary_answers_503_saying_why():
+    """The ingress makes prompts from the model's vocabulary on its own node: a path it cannot
+    read is a 503 naming the path, never a 500, and a later request tries again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deployments.client import EngineClient
+    from deployments.errors import ApiError
+    from deployments.resume import ResumeSettings
+    from tests.fake_handle import FakeHandle
+
+    class Engine(FakeHandle):
+        async def _info(self, **_: Any) -> dict:
+            return {"model_path": "/nonexistent/model.gguf", "n_ctx_slot": 256, "n_parallel": 2,
+                    "n_slots_per_group": 2, "n_batch": 512}
+
+    async def main() -> None:
+        client = EngineClient(Engine(), 1.0, None, ResumeSettings(), ThreadPoolExecutor(1))
+        for _ in range(2):
+            with pytest.raises(ApiError) as e:
+                await client.maker()
+            assert e.value.status == 503 and "/nonexistent/model.gguf" in e.value.message
+        await client.close()
+
+    asyncio.run(main())
