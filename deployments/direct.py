@@ -290,7 +290,7 @@ class BoundedHttpProtocol(KeepsRequestTarget, HttpToolsProtocol):
                 if room <= 0:
                     self._refuse(431, f"request head larger than {limit} bytes (max_head_bytes)")
                     return
-                n = self._head_end(view, room) or room
+                n = self._head_end(data, len(data) - len(view), room) or room
                 self._tail = (self._tail + bytes(view[max(0, n - 3):n]))[-3:]
             piece, view = view[:n], view[n:]
             was_open, done = self._state != BODY, self._heads_done
@@ -308,12 +308,16 @@ class BoundedHttpProtocol(KeepsRequestTarget, HttpToolsProtocol):
                 self._refuse(431, f"request head larger than {limit} bytes (max_head_bytes)")
                 return
 
-    def _head_end(self, view: memoryview, room: int) -> int:
-        """Bytes of ``view`` up to and including the blank line that ends the open head, looked
-        for within ``room``; 0 where it is not there."""
-        probe = self._tail + bytes(view[:room])
-        i = probe.find(b"\r\n\r\n")
-        return 0 if i < 0 else i + 4 - len(self._tail)
+    def _head_end(self, data: bytes, pos: int, room: int) -> int:
+        """Bytes of ``data`` from ``pos`` up to and including the blank line that ends the open
+        head (which may begin in the bytes fed before, ``_tail``), looked for within ``room``;
+        0 where it is not there. Found in place: a read of many requests is not copied."""
+        if self._tail:
+            i = (self._tail + data[pos:pos + 3]).find(b"\r\n\r\n")
+            if i >= 0:
+                return i + 4 - len(self._tail)
+        i = data.find(b"\r\n\r\n", pos, pos + room)
+        return 0 if i < 0 else i + 4 - pos
 
     def _feed(self, piece: memoryview) -> bool:
         """``piece`` to the parser, as uvicorn's ``data_received`` does; False: the connection

@@ -19,7 +19,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import RequestError
 from engine.params import SamplingParams
 from engine.types import EngineRequest
 
@@ -37,14 +36,11 @@ class MakerConfig:
 
 class PromptMaker:
     def __init__(self, tokenizer: Any, model: Any, n_ctx_slot: int, n_parallel: int, config: MakerConfig) -> None:
-        from engine.tokenizer import TokenLimit
+        from engine.tokenizer import server_limits
 
         self.tokenizer, self.model, self.config = tokenizer, model, config
         self.n_ctx_slot = n_ctx_slot
-        self.slot_limit = TokenLimit(n_ctx_slot - 1, f"a slot holds {n_ctx_slot} (n_ctx / n_parallel) "
-                                     "with at least one generated token")
-        n_ctx = n_ctx_slot * n_parallel
-        self.context_limit = TokenLimit(n_ctx, f"this server's whole context holds {n_ctx} (n_ctx)")
+        self.slot_limit, self.context_limit = server_limits(n_ctx_slot, n_parallel)
 
     @classmethod
     def of_engine(cls, engine: Any) -> PromptMaker:
@@ -66,28 +62,16 @@ class PromptMaker:
                    MakerConfig(info["n_slots_per_group"], info["n_batch"]))
 
     def tokenize_prompt(self, prompt: str | list[int], limit: Any = None) -> list[int]:
-        """A prompt's tokens; ``limit`` (default: a slot's): ``TooLong`` past it (a 400)."""
-        limit = limit or self.slot_limit
-        if isinstance(prompt, str):
-            tokens = self.tokenizer.encode(prompt, add_special=True, parse_special=True, limit=limit)
-        else:
-            if len(prompt) > limit.n_tokens:
-                raise RequestError(f"the prompt is {len(prompt)} tokens but {limit.what}: shorten the prompt")
-            tokens = list(prompt)
-            bad = [t for t in tokens if not 0 <= t < self.model.n_vocab]
-            if bad:
-                raise RequestError(f"prompt token ids out of range [0, {self.model.n_vocab}): {bad[:5]}")
-        if not tokens:
-            raise RequestError("the prompt is empty")
-        return tokens
+        """A prompt's tokens, as the engine's ``tokenize_prompt``; ``limit`` (default: a slot's,
+        which leaves room for a generated token): ``TooLong`` past it (a 400)."""
+        from engine.tokenizer import prompt_tokens
+
+        return prompt_tokens(self.tokenizer, prompt, limit or self.slot_limit)
 
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                      cache_prompt: bool = True, n: int = 1, id_slot: int = -1, n_resumed: int = 0) -> EngineRequest:
         """The request the engine runs; raises ``RequestError`` for what no slot can take."""
         tokens = self.tokenize_prompt(prompt)
-        if self.n_ctx_slot - len(tokens) < 1:
-            raise RequestError(f"the prompt is {len(tokens)} tokens but a slot holds {self.n_ctx_slot} "
-                               "(n_ctx / n_parallel) with at least one generated token: shorten the prompt")
         return EngineRequest.of(request_id, tokens, params, n=n, id_slot=id_slot, cache_prompt=cache_prompt,
                                 n_resumed=n_resumed)
 

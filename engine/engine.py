@@ -38,7 +38,7 @@ from engine.scheduler import Scheduler
 from engine.slots import Slot, SlotView
 from engine.speculative import load_draft_model
 from engine.text import TextStream
-from engine.tokenizer import Tokenizer, TokenLimit
+from engine.tokenizer import Tokenizer, TokenLimit, prompt_tokens, server_limits
 from engine.types import Decode, EngineRequest, Output, Request, RequestError
 
 log = logging.getLogger(__name__)
@@ -162,10 +162,7 @@ class Engine:
         self.n_ctx_slot = self.groups[0].n_ctx_slot
         # what a prompt, and a text for /tokenize or /apply-template, may take: past it, refused
         # by its bytes where the vocabulary shows it (engine.tokenizer), never tokenised in full
-        self.slot_limit = TokenLimit(self.n_ctx_slot - 1, f"a slot holds {self.n_ctx_slot} (n_ctx / n_parallel) "
-                                     "with at least one generated token")
-        n_ctx = self.n_ctx_slot * config.n_parallel
-        self.context_limit = TokenLimit(n_ctx, f"this server's whole context holds {n_ctx} (n_ctx)")
+        self.slot_limit, self.context_limit = server_limits(self.n_ctx_slot, config.n_parallel)
         self._closed = False
         for grp in self.groups:
             grp.start()
@@ -196,19 +193,7 @@ class Engine:
 
     def tokenize_prompt(self, prompt: str | list[int], limit: TokenLimit | None = None) -> list[int]:
         """A prompt's tokens; ``limit`` (default: a slot's): ``TooLong`` past it (a 400)."""
-        limit = limit or self.slot_limit
-        if isinstance(prompt, str):
-            tokens = self.tokenizer.encode(prompt, add_special=True, parse_special=True, limit=limit)
-        else:
-            if len(prompt) > limit.n_tokens:
-                raise RequestError(f"the prompt is {len(prompt)} tokens but {limit.what}: shorten the prompt")
-            tokens = list(prompt)
-            bad = [t for t in tokens if not 0 <= t < self.model.n_vocab]
-            if bad:
-                raise RequestError(f"prompt token ids out of range [0, {self.model.n_vocab}): {bad[:5]}")
-        if not tokens:
-            raise RequestError("the prompt is empty")
-        return tokens
+        return prompt_tokens(self.tokenizer, prompt, limit or self.slot_limit)
 
     def make_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
@@ -431,7 +416,7 @@ class Engine:
         """The decodes in progress, one per group in a step: how long each has run, what the
         cost model expected of it, and its thread's CPU seconds (deployments/watchdog.py)."""
         now = time.monotonic()
-        return [Decode(g.index, now - since, g.decode_expected_s, g.thread_cpu_s())
+        return [Decode(g.index, now - since, self.prefill.expected(*g.decode_rows), g.thread_cpu_s())
                 for g in self.groups if (since := g.decode_since)]
 
     def close(self, timeout: float = 30.0) -> None:

@@ -110,9 +110,9 @@ class PipelineGroup:
         # when the step in progress began, 0.0 between steps: a step stuck in native code
         # (decode, a sampler, a grammar mask) past the engine's step budget is seen by this
         self.step_since = 0.0
-        # what the cost model expects the decode in progress to take (None: nothing learnt yet):
-        # the frozen-stage watchdog's measure of "too long" (deployments/watchdog.py)
-        self.decode_expected_s: float | None = None
+        # the decode in progress: its generating rows and prompt tokens, which the frozen-stage
+        # watchdog prices with the cost model when it looks (deployments/watchdog.py)
+        self.decode_rows = (0, 0)
         self._thread = threading.Thread(target=self._run, name=f"pgroup-{index}", daemon=True)
         self._cpu_clock: int | None = None
 
@@ -290,7 +290,7 @@ class PipelineGroup:
             runner.fill(plan)
         n_prompt = sum(len(e.tokens) for e in plan.entries if e.slot.state is SlotState.PROMPT)
         budget.begin(self.index, n_prompt)
-        self.decode_expected_s = budget.expected(n_rows, n_prompt)
+        self.decode_rows = (n_rows, n_prompt)
         t0 = time.perf_counter()
         try:
             # the thread's CPU time in decode: the local stage's compute when it runs on the CPU

@@ -20,6 +20,7 @@ from typing import Any
 import llama_cpp
 
 from engine.chat import Bound, ChatTemplate, TooLong
+from engine.errors import RequestError
 from engine.native import Model
 
 # whitespace a special token with llama.cpp's LSTRIP / RSTRIP attribute swallows beside it
@@ -36,6 +37,31 @@ class TokenLimit:
 
     n_tokens: int
     what: str
+
+
+def server_limits(n_ctx_slot: int, n_parallel: int) -> tuple[TokenLimit, TokenLimit]:
+    """What a prompt may take (a slot, with at least one generated token) and what a text for
+    /tokenize or /apply-template may take (the whole context)."""
+    n_ctx = n_ctx_slot * n_parallel
+    return (TokenLimit(n_ctx_slot - 1, f"a slot holds {n_ctx_slot} (n_ctx / n_parallel) with at least one generated token"),
+            TokenLimit(n_ctx, f"this server's whole context holds {n_ctx} (n_ctx)"))
+
+
+def prompt_tokens(tokenizer: Tokenizer, prompt: str | list[int], limit: TokenLimit) -> list[int]:
+    """A prompt's tokens (a text tokenised with its special tokens, or token ids checked against
+    the vocabulary); ``TooLong`` past ``limit``, a ``RequestError`` for what cannot be one."""
+    if isinstance(prompt, str):
+        tokens = tokenizer.encode(prompt, add_special=True, parse_special=True, limit=limit)
+    else:
+        if len(prompt) > limit.n_tokens:
+            raise RequestError(f"the prompt is {len(prompt)} tokens but {limit.what}: shorten the prompt")
+        tokens = list(prompt)
+        bad = [t for t in tokens if not 0 <= t < tokenizer.n_vocab]
+        if bad:
+            raise RequestError(f"prompt token ids out of range [0, {tokenizer.n_vocab}): {bad[:5]}")
+    if not tokens:
+        raise RequestError("the prompt is empty")
+    return tokens
 
 
 class Tokenizer:

@@ -42,6 +42,7 @@ class FakeTokenizer:
     text's tokens are its first characters'."""
 
     template = FakeTemplate()
+    n_vocab = 1000
 
     def apply_chat_template(self, messages: list[dict[str, Any]], **_: Any) -> str:
         return json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
