@@ -29,8 +29,8 @@ CPU_FLAGS := -DGGML_NATIVE=OFF -DGGML_AVX=$(call cpu_has,avx) -DGGML_AVX2=$(call
 endif
 CMAKE_FLAGS := -DGGML_RPC=on -DLLAMA_CURL=off -DLLAMA_BUILD_TESTS=off -DLLAMA_BUILD_EXAMPLES=off $(CPU_FLAGS) \
 	$(if $(filter on,$(GGML_CUDA)),-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCH) $(if $(NVCC),-DCMAKE_CUDA_COMPILER=$(NVCC)),)
-# The wheel leaves out llava/mtmd (multimodal, unused here; about a fifth of the build).
-WHEEL_CMAKE_FLAGS := $(CMAKE_FLAGS) -DLLAVA_BUILD=off
+# The wheel builds mtmd too (libmtmd: images and audio through a model's projector, --mmproj).
+WHEEL_CMAKE_FLAGS := $(CMAKE_FLAGS) -DLLAVA_BUILD=on
 # The built wheel is kept here, keyed by the build flags, so later installs do not rebuild.
 WHEEL_CACHE ?= .cache/wheels
 FLAGS_ID := $(shell echo '$(WHEEL_CMAKE_FLAGS)' | md5sum | cut -c1-8)
@@ -62,7 +62,8 @@ $(WHEEL_DIR)/.built:
 
 # The reference the benchmark measures against: llama-server and rpc-server built from the
 # llama.cpp vendored in the same llama-cpp-python sdist, cached beside the wheel.
-LLAMA_SERVER_DIR := $(WHEEL_CACHE)/llama-server-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)-$(FLAGS_ID)
+SERVER_FLAGS_ID := $(shell echo '$(CMAKE_FLAGS)' | md5sum | cut -c1-8)
+LLAMA_SERVER_DIR := $(WHEEL_CACHE)/llama-server-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)-$(SERVER_FLAGS_ID)
 LLAMA_SERVER_SRC := $(LLAMA_SERVER_DIR)/src/llama_cpp_python-$(LLAMA_CPP_VERSION)
 
 llama-server: $(LLAMA_SERVER_DIR)/.built

@@ -96,7 +96,7 @@ def run_engine(engine: Engine, prompts: list[list[int]] | list[str], clients: in
                         t.t_last = now
                     if o.finish_reason is not None:
                         t.ok = o.finish_reason == "length" and t.n_tokens == n_gen
-                        t.error = o.error or ("" if t.ok else f"finish {o.finish_reason}, {t.n_tokens} tokens")
+                        t.error = getattr(o, "message", "") or ("" if t.ok else f"finish {o.finish_reason}, {t.n_tokens} tokens")
             except Exception as e:  # counted as an error of the cell
                 t.error = repr(e)
             with lock:

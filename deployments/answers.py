@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from deployments.api.base import ApiError, ErrorShape, dumps, openai_error
 from deployments.client import Generation
-from engine.types import SHUTTING_DOWN, FinishReason, Output
+from engine.types import SHUTTING_DOWN, Failure, Fault, Output
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +49,19 @@ def install_error_handlers(app: FastAPI, shape_of: Callable[[str], ErrorShape], 
         return err_response(500, f"internal error: {type(e).__name__}", shape=shape_of(request.url.path))
 
 
+# The one place a failure becomes an HTTP status: the request's own error is the client's (400),
+# the engine's own is a 500, a timeout a 504, and every lost, frozen or stopping stage or replica
+# a 503 (retry; the ingress has resumed what it could).
+FAULT_STATUS = {Fault.REQUEST: 400, Fault.INTERNAL: 500, Fault.TIMEOUT: 504, Fault.ENGINE: 503,
+                Fault.STAGE_FROZEN: 503, Fault.REPLICA_LOST: 503, Fault.SHUTDOWN: 503}
+
+
 def error_status(o: Output) -> tuple[int, str]:
     """The HTTP status and message of a request's failed last output. A request is only
     ever "cancelled" towards a client that is still there when the server cut it."""
-    if o.finish_reason is FinishReason.CANCELLED:
-        return 503, SHUTTING_DOWN
-    return (o.status or 500), (o.error or "generation failed")
+    if isinstance(o, Failure):
+        return FAULT_STATUS[o.fault], (o.message or "generation failed")
+    return 503, SHUTTING_DOWN
 
 
 async def until_gone(request: Request, work: Any) -> Response:
@@ -82,7 +89,7 @@ async def collect(g: Generation, shaper: Any, shape: ErrorShape, timeout_s: floa
     async for batch in g.outputs():
         shaper.add(batch)
         lasts.update((o.request_id, o) for o in batch if o.finish_reason is not None)
-    failed = next((o for o in lasts.values() if o.finish_reason.failed), None)  # one failed choice fails it
+    failed = next((o for o in lasts.values() if o.failed), None)  # one failed choice fails it
     if failed is not None:
         e = ApiError(*error_status(failed))
         return err_response(e.status, e.message, headers=e.headers, shape=shape)
@@ -98,7 +105,7 @@ async def sse(g: Generation, shaper: Any) -> AsyncIterator[bytes]:
         yield opening
     async for batch in g.outputs():
         out = shaper.events(batch)
-        failed = next((o for o in batch if o.finish_reason is not None and o.finish_reason.failed), None)
+        failed = next((o for o in batch if o.failed), None)
         if failed is not None:
             yield out + shaper.failed(*error_status(failed))
             return

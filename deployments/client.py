@@ -31,7 +31,7 @@ from deployments.prompts import Makers, PromptMaker
 from deployments.resume import Resumer, ResumeSettings
 from deployments.router import Route, prefix_hashes, routing_text
 from deployments.streams import IngressStreams, Pending, detached
-from engine.types import FinishReason, Output
+from engine.types import Delta, Failure, Fault, Output
 
 log = logging.getLogger(__name__)
 
@@ -147,24 +147,23 @@ class EngineClient:
     async def outputs(self, rid: str, p: Pending) -> AsyncIterator[list[Output]]:
         """The request's outputs until its last, as lists of what has arrived since the last
         read (one list per step while the client keeps up, several steps when it falls
-        behind), each as its choice's (a fault is resumed, not passed on: ``Resumer.take``);
+        behind), each as its choice's (a fault is resumed, not passed on: ``Resumer.for_client``);
         cancels the request in the engine if abandoned."""
         deadline = time.monotonic() + self.request_timeout_s if self.request_timeout_s else None
-        q, take = p.queue, self.resumer.take
+        q, for_client = p.queue, self.resumer.for_client
         try:
             if p.echo:
-                yield [Output(m, p.echo, 0) for m in member_ids(rid, p.n)]
+                yield [Delta(m, p.echo, 0) for m in member_ids(rid, p.n)]
             while True:
                 timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
                     o = await asyncio.wait_for(q.get(), timeout)
                 except TimeoutError:
-                    yield [Output(rid, "", 0, FinishReason.ERROR, error=f"request timed out after {self.request_timeout_s} s",
-                                  status=504)]
+                    yield [Failure(rid, Fault.TIMEOUT, f"request timed out after {self.request_timeout_s} s")]
                     return
-                batch = take(p, o)
+                batch = for_client(p, o)
                 while not p.finished and not q.empty():
-                    batch += take(p, q.get_nowait())
+                    batch += for_client(p, q.get_nowait())
                 if batch:
                     yield batch
                 if p.finished:

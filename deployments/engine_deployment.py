@@ -250,7 +250,7 @@ class EngineDeployment:
         except CLIENT_ERRORS as e:  # RequestError (a ValueError): the request's own 400
             return ApiError(400, str(e)[:1000] or type(e).__name__)
         ids = [m.id for m in r.family]
-        conn = None if self._failed is not None or self._draining else self.out.take(conn_id, ids)
+        conn = None if self._failed is not None or self._draining else self.out.route(conn_id, ids)
         if conn is None:
             return ApiError(503, self._failed or (SHUTTING_DOWN if self._draining else NOT_CONNECTED))
         try:

@@ -26,7 +26,7 @@ from typing import Any
 from deployments.api.values import Submitted
 from deployments.router import Route
 from deployments.streams import STREAM_LOST, IngressStreams, Pending, detached
-from engine.types import Fault, FinishReason, Output
+from engine.types import Failure, Fault, Output
 from observability.resume import ResumeMetrics
 
 log = logging.getLogger(__name__)
@@ -42,10 +42,9 @@ class ResumeSettings:
 
 def fault_cause(o: Output) -> Fault | None:
     """The fault that ended ``o``'s request, to resume it from (its value the resume metrics'
-    label); None: not a fault (it finished, or the client's own error, or a shutdown)."""
-    if o.finish_reason is not FinishReason.ERROR or o.fault is Fault.SHUTDOWN:
-        return None
-    return o.fault
+    label); None: nothing to resume (it goes on or finished, or failed by its own error, a
+    shutdown or a timeout)."""
+    return o.fault if isinstance(o, Failure) and o.fault.resumable else None
 
 
 class Resumer:
@@ -56,7 +55,7 @@ class Resumer:
         self.metrics = ResumeMetrics()
         self.tasks: set[asyncio.Task] = set()
 
-    def take(self, p: Pending, o: Output) -> list[Output]:
+    def for_client(self, p: Pending, o: Output) -> list[Output]:
         """What ``o`` gives the client of ``p``: nothing (an output of an engine request a
         choice no longer runs as, or a fault being resumed), or the output as its choice's."""
         i = p.ids.get(o.request_id)
@@ -68,7 +67,7 @@ class Resumer:
         if c.paused_at is not None:
             self.metrics.paused(time.monotonic() - c.paused_at)
             c.paused_at = None
-        cause = fault_cause(o) if o.finish_reason is not None and not c.given_up else None
+        cause = None if c.given_up else fault_cause(o)
         if cause is not None:
             if c.resuming:  # its continuation's submit has not returned: that one goes on
                 return []
@@ -77,12 +76,12 @@ class Resumer:
                 p.lost_on.add(c.replica)
             if refusal is None:
                 self.metrics.resumed(cause)
-                log.warning("resuming %s choice %d after %d tokens (%s: %s)", p.rid, i, len(c.tokens), cause, o.error)
+                log.warning("resuming %s choice %d after %d tokens (%s: %s)", p.rid, i, len(c.tokens), cause, o.message)
                 self._start(p, i)
                 return []
             if refusal[0] != "closed":
                 self.metrics.failed(refusal[0])
-            o = o._replace(error=f"{o.error} ({refusal[1]})")
+            o = o._replace(message=f"{o.message} ({refusal[1]})")
         seen = p.seen(o)
         return [] if seen is None else [seen]
 
@@ -145,8 +144,7 @@ class Resumer:
                     if res.status not in (429, 503):  # the continuation's own error: no replica takes it
                         c.resuming, c.given_up = False, True
                         self.metrics.failed("unresumable")
-                        p.queue.put_nowait(Output(eid, "", 0, FinishReason.ERROR, error=f"{STREAM_LOST} (not resumed: "
-                                                  f"{why})", status=503, fault=Fault.REPLICA_LOST))
+                        p.queue.put_nowait(Failure(eid, Fault.REPLICA_LOST, f"{STREAM_LOST} (not resumed: {why})"))
                         return
                 try:
                     await asyncio.wait_for(self.out.changes().wait(), min(backoff, max(0.0, deadline - time.monotonic())))
@@ -162,8 +160,7 @@ class Resumer:
         c.given_up = True
         self.metrics.failed("wait")
         wait = f"no engine replica took it within resume_wait_s {self.settings.wait_s:g}"
-        p.queue.put_nowait(Output(eid, "", 0, FinishReason.ERROR, status=503, fault=Fault.REPLICA_LOST,
-                                  error=f"{STREAM_LOST} (not resumed: {wait}{'; ' + why if why else ''})"))
+        p.queue.put_nowait(Failure(eid, Fault.REPLICA_LOST, f"{STREAM_LOST} (not resumed: {wait}{'; ' + why if why else ''})"))
 
     async def _cancel(self, eid: str, replica: str | None) -> None:
         try:

@@ -25,7 +25,7 @@ from typing import Any
 
 from deployments.api.base import ApiError, member_ids
 from deployments.router import known_replicas
-from engine.types import Fault, FinishReason, Output
+from engine.types import Delta, Failure, Fault, Output
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class EngineStreams:
         for conn, items in per_conn.items():
             conn.queue.put_nowait(items)
 
-    def take(self, conn_id: str, ids: list[str]) -> Conn | None:
+    def route(self, conn_id: str, ids: list[str]) -> Conn | None:
         """Send the outputs of ``ids`` by stream ``conn_id``; None: that stream is gone."""
         conn = self.conns.get(conn_id)
         if conn is not None:
@@ -131,7 +131,7 @@ class EngineStreams:
         cut = list(self.owner.items())
         for rid, conn in cut:
             conn.requests.discard(rid)
-            conn.queue.put_nowait([Output(rid, "", 0, FinishReason.ERROR, error=reason, status=503, fault=fault)])
+            conn.queue.put_nowait([Failure(rid, fault, reason)])
         self.owner.clear()
         for conn in self.conns.values():
             conn.queue.put_nowait(CLOSE)
@@ -221,7 +221,7 @@ class Pending:
         if not c.resumes:
             return o
         o = o._replace(request_id=self.rid if i == 0 else f"{self.rid}#{i}")
-        if o.finish_reason is not None and self.resume_from is not None:
+        if not isinstance(o, Delta) and self.resume_from is not None:
             first = (self.t_first - self.t0) if self.t_first is not None else 0.0
             o = o._replace(prompt_tokens=self.resume_from.n_prompt, completion_tokens=o.completion_tokens + c.base,
                            cached_tokens=min(o.cached_tokens, self.resume_from.n_prompt), t_first_token=first,
@@ -337,8 +337,7 @@ class IngressStreams:
         for p in lost.values():
             for c in p.choices:
                 if c.conn == conn and not c.done and not c.resuming:
-                    p.queue.put_nowait(Output(c.engine_id, "", 0, FinishReason.ERROR, error=STREAM_LOST, status=503,
-                                                    fault=Fault.REPLICA_LOST))
+                    p.queue.put_nowait(Failure(c.engine_id, Fault.REPLICA_LOST, STREAM_LOST))
 
     def changes(self) -> asyncio.Event:
         """An event set the next time the set of streams changes."""

@@ -36,7 +36,7 @@ from engine.processor import OutputProcessor, final_output
 from engine.runner import Runner
 from engine.slots import Slot, SlotState, SlotView
 from engine.tokenizer import Tokenizer
-from engine.types import SHUTTING_DOWN, Fault, FinishReason, Output, Request
+from engine.types import SHUTTING_DOWN, Failure, Fault, FinishReason, Output, Request
 from observability.process import name_this_thread
 from observability.profiler import GroupProfiler
 
@@ -191,8 +191,7 @@ class PipelineGroup:
             self.error = f"pipeline group {self.index} failed: {e}"
             outs = []
             for s in list(self.active):
-                outs.append(self._finish(s, FinishReason.ERROR, "", error=self.error, status=503, release=False,
-                                         fault=Fault.ENGINE))
+                outs.append(self._finish(s, Fault.ENGINE, "", message=self.error, release=False))
             self._drain_after_death(outs)
 
     def _drain_after_death(self, outs: list[Output]) -> None:
@@ -207,8 +206,7 @@ class PipelineGroup:
                 return
             if isinstance(msg, StartMsg):
                 r = msg.request
-                self.sink([Output(r.id, "", 0, FinishReason.ERROR, len(r.prompt_tokens), error=self.error, status=503,
-                                  fault=Fault.ENGINE)])
+                self.sink([Failure(r.id, Fault.ENGINE, self.error or "", prompt_tokens=len(r.prompt_tokens))])
                 self.publish_slot(self._by_id[r.slot_id].view(), True)
             elif isinstance(msg, SlotOpMsg):
                 msg.reply.set_exception(RuntimeError(self.error))
@@ -224,10 +222,10 @@ class PipelineGroup:
                 for m in msg.request.family:
                     s = self._by_id[m.slot_id]
                     if s.req is m and s in self.active:
-                        outs.append(self._finish(s, FinishReason.ERROR, "", error=error))
+                        outs.append(self._finish(s, Fault.INTERNAL, "", message=error))
                     else:  # never started: its slot goes back as it was
-                        outs.append(Output(m.id, "", 0, FinishReason.ERROR, len(m.prompt_tokens), error=error,
-                                           t_end=time.monotonic() - m.t_arrival, slot=s.id))
+                        outs.append(Failure(m.id, Fault.INTERNAL, error, prompt_tokens=len(m.prompt_tokens),
+                                            t_end=time.monotonic() - m.t_arrival, slot=s.id))
                         self.publish_slot(s.view(), True)
                 self.sink(outs)
         elif isinstance(msg, CancelMsg):
@@ -244,8 +242,7 @@ class PipelineGroup:
                 except Exception as e:
                     msg.reply.set_exception(e)
         elif isinstance(msg, _StopMsg):
-            outs = [self._finish(s, FinishReason.ERROR, "", error=SHUTTING_DOWN, status=503, release=False,
-                                 fault=Fault.SHUTDOWN)
+            outs = [self._finish(s, Fault.SHUTDOWN, "", message=SHUTTING_DOWN, release=False)
                     for s in list(self.active)]
             if outs:
                 self.sink(outs)
@@ -351,7 +348,7 @@ class PipelineGroup:
     def _finish(
         self,
         s: Slot,
-        reason: FinishReason,
+        reason: FinishReason | Fault,
         text: str,
         *,
         release: bool = True,
@@ -374,7 +371,7 @@ class PipelineGroup:
         outs = []
         for s in failed:
             self.prefix.drop(s)  # the sequence's KV is now unknown
-            outs.append(self._finish(s, FinishReason.ERROR, "", error=f"decode failed: {err}"))
+            outs.append(self._finish(s, Fault.INTERNAL, "", message=f"decode failed: {err}"))
         self.sink(outs)
 
     # ---- slot operations (group thread) -----------------------------------------------------

@@ -159,7 +159,7 @@ class PrefixCache:
         """Keep the first ``n`` tokens of the slot's own KV; returns how many it kept."""
         return keep_prefix(self.ctx, self.n_swa, slot.seq_id, slot.cache_tokens, n)
 
-    def take(self, src: Slot, dst: Slot, n: int) -> bool:
+    def reuse_from(self, src: Slot, dst: Slot, n: int) -> bool:
         """``copy`` for a new prompt: counts what it reused (from another slot, or from the
         prompt cache: a restore)."""
         if not self.copy(src, dst, n):

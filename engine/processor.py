@@ -24,7 +24,7 @@ from engine.runner import Runner
 from engine.sampling import token_logprobs
 from engine.slots import Slot, SlotState
 from engine.tokenizer import Tokenizer
-from engine.types import Fault, FinishReason, Output
+from engine.types import Delta, Failure, Fault, Finish, FinishReason, Output
 from observability.profiler import GroupProfiler
 
 
@@ -33,7 +33,7 @@ class Ending:
     """A request that ends this step: why, its last text and the figures of its final output
     (the group ends it: the processor never frees a slot)."""
 
-    reason: FinishReason
+    reason: FinishReason | Fault  # a fault: the request fails
     text: str
     figures: dict
 
@@ -49,38 +49,29 @@ class Processed:
     n_sampled: int
 
 
-def final_output(s: Slot, reason: FinishReason, text: str, *, error: str | None = None, status: int = 0,
-                 n_tokens: int = 0, logprobs: tuple | None = None, tokens: tuple[int, ...] = (),
-                 stop_word: str | None = None, fault: Fault | None = None) -> Output:
-    """The last output of the request on slot ``s``, with its figures."""
+def final_output(s: Slot, reason: FinishReason | Fault, text: str, *, message: str = "", n_tokens: int = 0,
+                 logprobs: tuple | None = None, tokens: tuple[int, ...] = (), stop_word: str | None = None
+                 ) -> Finish | Failure:
+    """The last output of the request on slot ``s``, with its figures: a ``Finish`` with its
+    reason, or a ``Failure`` when ``reason`` is a fault (``message`` the client's words)."""
     r = s.req
-    return Output(
-        request_id=r.id,
-        text=text,
-        n_tokens=n_tokens,
-        finish_reason=reason,
-        prompt_tokens=len(r.prompt_tokens),
-        completion_tokens=s.n_generated,
-        cached_tokens=s.n_reused,
-        error=error,
-        t_first_token=(s.t_first_token - r.t_arrival) if s.t_first_token else 0.0,
-        t_queue=s.t_start - r.t_arrival,
-        t_end=time.monotonic() - r.t_arrival,
-        status=status,
-        logprobs=logprobs,
-        tokens=tokens,
-        stop_word=stop_word,
-        fault=fault,
-        slot=s.id,
-    )
+    figures = {
+        "prompt_tokens": len(r.prompt_tokens), "completion_tokens": s.n_generated, "cached_tokens": s.n_reused,
+        "t_first_token": (s.t_first_token - r.t_arrival) if s.t_first_token else 0.0,
+        "t_queue": s.t_start - r.t_arrival, "t_end": time.monotonic() - r.t_arrival,
+        "logprobs": logprobs, "tokens": tokens, "slot": s.id,
+    }
+    if isinstance(reason, Fault):
+        return Failure(r.id, reason, message, text, n_tokens, **figures)
+    return Finish(r.id, text, n_tokens, reason, stop_word=stop_word, **figures)
 
 
-def progress_output(s: Slot) -> Output:
+def progress_output(s: Slot) -> Delta:
     """llama-server's prompt progress of a slot, after a prompt chunk: (processed, total,
     cached, milliseconds since the slot started)."""
     r = s.req
     ms = int((time.monotonic() - s.t_start) * 1000)
-    return Output(r.id, "", 0, progress=(s.n_prompt_done, len(r.prompt_tokens), s.n_reused, ms))
+    return Delta(r.id, "", 0, progress=(s.n_prompt_done, len(r.prompt_tokens), s.n_reused, ms))
 
 
 class OutputProcessor:
@@ -93,7 +84,7 @@ class OutputProcessor:
         self.n_threads = n_threads
         self.pool = (ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix=f"pgroup{index}-sample")
                      if n_threads > 1 else None)
-        self._row_errors: dict[int, tuple[str, int]] = {}  # slot id -> why its sampler failed this step, status
+        self._row_errors: dict[int, tuple[str, Fault]] = {}  # slot id -> why its sampler failed this step
         self._row_logprobs: dict[int, list] = {}  # slot id -> this step's token logprobs, in order
 
     def close(self) -> None:
@@ -176,10 +167,10 @@ class OutputProcessor:
             tok = s.sampler.sample(row)
             s.sampler.accept(tok)
         except GrammarDeadEnd as e:  # the request's own grammar: its client's error
-            self._row_errors[s.id] = (f"the output cannot continue under the request's grammar: {e}", 400)
+            self._row_errors[s.id] = (f"the output cannot continue under the request's grammar: {e}", Fault.REQUEST)
             return -1
         except Exception as e:
-            self._row_errors[s.id] = (f"sampling failed: {e}", 500)
+            self._row_errors[s.id] = (f"sampling failed: {e}", Fault.INTERNAL)
             return -1
         k = s.req.params.logprobs
         if k is not None:  # only the rows that ask pay for it
@@ -226,7 +217,7 @@ class OutputProcessor:
         emitted: list[int] = []
         lps: list = []
 
-        def done(reason: FinishReason, tail: str, n: int, **kw: object) -> Ending:
+        def done(reason: FinishReason | Fault, tail: str, n: int, **kw: object) -> Ending:
             return Ending(reason, "".join(texts) + tail,
                           {"n_tokens": n, "tokens": tuple(emitted), "logprobs": tuple(lps) or None, **kw})
 
@@ -235,8 +226,8 @@ class OutputProcessor:
 
         for i, tok in enumerate(toks):
             if tok < 0:
-                error, status = self._row_errors.pop(s.id, ("sampling failed", 500))
-                return done(FinishReason.ERROR, s.text.flush(), len(emitted), error=error, status=status)
+                message, fault = self._row_errors.pop(s.id, ("sampling failed", Fault.INTERNAL))
+                return done(fault, s.text.flush(), len(emitted), message=message)
             s.n_generated += 1
             s.last_token = tok
             if s.n_generated == 1:
@@ -260,7 +251,7 @@ class OutputProcessor:
                 lps.append(lp_rows[i])
             if s.n_generated >= r.n_predict or _past_time_limit(s, piece):
                 return done(FinishReason.LENGTH, s.text.flush(), len(emitted))
-        return Output(r.id, "".join(texts), len(emitted), logprobs=tuple(lps) or None, tokens=tuple(emitted))
+        return Delta(r.id, "".join(texts), len(emitted), logprobs=tuple(lps) or None, tokens=tuple(emitted))
 
 
 def _past_time_limit(s: Slot, piece: bytes) -> bool:

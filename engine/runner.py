@@ -134,7 +134,7 @@ class Runner:
         if self.mtp is not None:
             self.mtp.observe(plan)
         for c in plan.copies:
-            c.done = self.prefix.take(c.src, c.dst, c.n)
+            c.done = self.prefix.reuse_from(c.src, c.dst, c.n)
 
     # ---- a request starts ---------------------------------------------------------------------
 
@@ -147,7 +147,7 @@ class Runner:
         # what the slot holds past what it keeps goes to the prompt cache first
         self.prefix.save(s, reuse.own if reuse.source is None else 0, reuse.source, slots)
         if reuse.source is not None and reuse.ready:
-            n_reused = reuse.shared if self.prefix.take(reuse.source, s, reuse.shared) else 0
+            n_reused = reuse.shared if self.prefix.reuse_from(reuse.source, s, reuse.shared) else 0
         else:
             n_reused = self.prefix.keep(s, reuse.own)
         sampler = SamplerChain(r.params, self.n_vocab, self.seed, force_chain=self.backend_sampling,

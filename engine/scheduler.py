@@ -26,7 +26,7 @@ import numpy as np
 
 from engine.prefix import common_prefix, group_prefixes
 from engine.slots import SlotView
-from engine.types import FinishReason, Output, QueueFullError, Request
+from engine.types import Finish, FinishReason, Output, QueueFullError, Request
 
 # A prefix this close to the longest one counts as equal, so that the less busy group wins.
 NEAR_PREFIX = 0.9
@@ -298,7 +298,7 @@ class Scheduler:
             fit.append(r)
         if not fit or self.aging <= 0:
             return fit[0] if fit else None
-        here, away = self._to_evaluate(fit)
+        here, away = self._prompt_costs(fit)
         chosen = next((r for r in fit if self._passed.get(r.id, 0) >= self.aging), None)
         if chosen is None:
             mine = [r for r in fit if r.id not in away]
@@ -320,7 +320,7 @@ class Scheduler:
                 self._passed[r.id] = self._passed.get(r.id, 0) + 1
         return chosen
 
-    def _to_evaluate(self, fit: list[Request]) -> tuple[dict[str, int], set[str]]:
+    def _prompt_costs(self, fit: list[Request]) -> tuple[dict[str, int], set[str]]:
         """For each waiting request, the prompt tokens it would evaluate on a free slot (after
         the free slots' own KV and their groups' prompt caches), and the requests whose prompt
         another group holds clearly more of (in a slot or its prompt cache): one pass over what
@@ -360,7 +360,7 @@ class Scheduler:
                     return False
                 group = self._views[running.slot_id].group
         if r is not None:
-            self._sink([Output(m.id, "", 0, FinishReason.CANCELLED, len(m.prompt_tokens)) for m in r.family])
+            self._sink([Finish(m.id, "", 0, FinishReason.CANCELLED, len(m.prompt_tokens)) for m in r.family])
             return True
         self._cancel_running(group, request_id)
         return True

@@ -20,22 +20,25 @@ class FinishReason(StrEnum):
     STOP = "stop"  # an end-of-generation token or a stop string
     LENGTH = "length"  # max_tokens, or the slot's context
     CANCELLED = "cancelled"  # the client went away (or the request was cut)
-    ERROR = "error"  # see ``Output.error`` and ``Output.status``
-
-    @property
-    def failed(self) -> bool:
-        """Whether a client still there gets an error (a cut request is one)."""
-        return self in (FinishReason.ERROR, FinishReason.CANCELLED)
+    ERROR = "error"  # a ``Failure``'s: see its ``fault``
 
 
 class Fault(StrEnum):
-    """What failed a request that ended with an error other than its own (``Output.fault``; None:
-    the request's own error). The values are the resume metrics' labels."""
+    """What failed a request (``Failure.fault``). The ingress maps each to an HTTP status; the
+    ones the request did not cause are resumed on another replica (``resumable``). The values are
+    the resume metrics' labels."""
 
+    REQUEST = "request"  # the request's own: its grammar has no way on
+    INTERNAL = "internal"  # the engine's own error for this request alone (a sampler, a start)
     ENGINE = "engine_failed"  # a pipeline group died (a compute failure: its stage was lost)
     STAGE_FROZEN = "stage_frozen"  # the watchdog: the stage stopped answering, the replica restarts
     REPLICA_LOST = "replica_lost"  # the ingress lost the engine replica's output stream
     SHUTDOWN = "shutting_down"  # the replica drains (Serve stops it): retried, never resumed
+    TIMEOUT = "timeout"  # the ingress's wait for the answer ran out
+
+    @property
+    def resumable(self) -> bool:
+        return self in (Fault.ENGINE, Fault.STAGE_FROZEN, Fault.REPLICA_LOST)
 
 
 @dataclass(frozen=True)
@@ -106,27 +109,88 @@ class Request:
         return [self, *self.followers]
 
 
-class Output(NamedTuple):
-    """What one step produced for one request. ``finish_reason`` set means it is the last."""
+class Delta(NamedTuple):
+    """What one step produced for a request that goes on: new text and its tokens, or (with
+    ``return_progress``) how far its prompt has come."""
 
     request_id: str
     text: str
     n_tokens: int  # tokens generated in this step (0 or 1)
-    finish_reason: FinishReason | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    error: str | None = None
-    t_first_token: float = 0.0  # seconds from arrival to the first token (on the final output)
-    t_queue: float = 0.0  # seconds waiting for a slot (on the final output)
-    t_end: float = 0.0  # seconds from arrival to this final output
-    status: int = 0  # with finish_reason "error": the HTTP status it maps to (500 when 0)
     # per generated token of this output, when the request asked: (piece, logprob, top), top
     # being ((piece, logprob), ...) of the most likely tokens; pieces are the token's bytes
     logprobs: tuple | None = None
     tokens: tuple[int, ...] = ()  # the token ids generated in this step (not the end-of-generation token)
-    stop_word: str | None = None  # with finish_reason "stop": the stop string that ended it
-    slot: int = -1  # on the final output: the slot that ran the request
     # return_progress: after a prompt chunk, (processed, total, cached, ms since the slot started)
     progress: tuple[int, int, int, int] | None = None
-    fault: Fault | None = None  # with finish_reason "error": what failed it, when not the request itself
+
+    @property
+    def finish_reason(self) -> None:
+        return None
+
+    @property
+    def failed(self) -> bool:
+        return False
+
+
+class Finish(NamedTuple):
+    """A request's last output when it ended as it should (or was cancelled): its last text,
+    why it ended, and its figures."""
+
+    request_id: str
+    text: str
+    n_tokens: int
+    finish_reason: FinishReason
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    t_first_token: float = 0.0  # seconds from arrival to the first token
+    t_queue: float = 0.0  # seconds waiting for a slot
+    t_end: float = 0.0  # seconds from arrival to this output
+    logprobs: tuple | None = None
+    tokens: tuple[int, ...] = ()
+    stop_word: str | None = None  # with finish_reason "stop": the stop string that ended it
+    slot: int = -1  # the slot that ran the request
+    progress: None = None
+
+    @property
+    def failed(self) -> bool:
+        """A cancelled request's client, if still there, gets an error: the server cut it."""
+        return self.finish_reason is FinishReason.CANCELLED
+
+
+class Failure(NamedTuple):
+    """A request's last output when it failed: what failed it (``fault``, a kind the ingress
+    maps to an HTTP status and resume reads) and the client's words (``message``), after any
+    text this step still gave."""
+
+    request_id: str
+    fault: Fault
+    message: str
+    text: str = ""
+    n_tokens: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    t_first_token: float = 0.0
+    t_queue: float = 0.0
+    t_end: float = 0.0
+    logprobs: tuple | None = None
+    tokens: tuple[int, ...] = ()
+    slot: int = -1
+    progress: None = None
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        return FinishReason.ERROR
+
+    @property
+    def failed(self) -> bool:
+        return True
+
+    @property
+    def stop_word(self) -> None:
+        return None
+
+
+# One step's output for one request: a delta while it runs, then one finish or one failure.
+Output = Delta | Finish | Failure

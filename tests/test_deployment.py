@@ -16,7 +16,7 @@ from deployments.api.openai import CompletionRequest
 from deployments.api.values import Submitted
 from deployments.engine_deployment import NOT_CONNECTED, EngineDeployment
 from deployments.prompts import PromptMaker
-from engine.types import SHUTTING_DOWN, Decode, Output
+from engine.types import SHUTTING_DOWN, Decode, Fault, Output
 
 LONG = {"prompt": "a long request", "max_tokens": 100_000, "ignore_eos": True}
 SHORT = {"prompt": "a short request", "max_tokens": 4}
@@ -59,7 +59,7 @@ async def connect(d: Any, ingress: str, conn: str) -> Any:
 
 
 async def next_outputs(stream: Any, timeout: float = 30.0) -> list[Output]:
-    return [Output(*t) for t in await asyncio.wait_for(stream.__anext__(), timeout)]
+    return list(await asyncio.wait_for(stream.__anext__(), timeout))
 
 
 def test_a_second_stream_of_one_ingress_neither_takes_nor_drops_the_firsts_requests(model_path):
@@ -135,7 +135,7 @@ def test_the_watchdog_fails_in_flight_requests_and_reports_unhealthy(model_path)
             for o in await next_outputs(s):
                 if o.finish_reason is not None:
                     final = o
-        assert final.finish_reason == "error" and final.status == 503 and "did not answer" in final.error
+        assert final.finish_reason == "error" and final.fault is Fault.STAGE_FROZEN and "did not answer" in final.message
         with pytest.raises(StopAsyncIteration):  # the stream ends: Serve's drain is not held
             await asyncio.wait_for(s.__anext__(), 5)
         with pytest.raises(RuntimeError):
@@ -185,8 +185,8 @@ def test_drain_finishes_short_requests_and_cuts_long_ones_with_an_error(model_pa
         except StopAsyncIteration:
             pass
         assert finals["short"].finish_reason == "length"
-        assert finals["long"].finish_reason == "error" and finals["long"].error == SHUTTING_DOWN
-        assert finals["long"].status == 503
+        assert finals["long"].finish_reason == "error" and finals["long"].message == SHUTTING_DOWN
+        assert finals["long"].fault is Fault.SHUTDOWN
         assert (await submit(d, "c", "late", CompletionRequest(**SHORT))).status == 503
 
     run(model_path, body, n_ctx=65536)  # the long request cannot finish in the grace time on a fast CPU

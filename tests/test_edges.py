@@ -14,7 +14,7 @@ import pytest
 from engine import SamplingParams
 from engine.group import SlotOpMsg
 from engine.sampling import SamplerChain
-from engine.types import SHUTTING_DOWN
+from engine.types import SHUTTING_DOWN, Fault
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -72,7 +72,7 @@ def test_a_request_cut_by_shutdown_ends_with_an_error_not_cancelled(make_engine)
     for o in it:
         last = o
     assert last is not None
-    assert last.finish_reason == "error" and last.status == 503 and last.error == SHUTTING_DOWN
+    assert last.finish_reason == "error" and last.fault is Fault.SHUTDOWN and last.message == SHUTTING_DOWN
 
 
 def test_a_frozen_peer_shows_as_a_stalled_decode(make_engine, rpc_endpoint, rpc_server_pid):
@@ -119,7 +119,8 @@ def test_a_sampler_that_fails_ends_its_request_and_the_group_goes_on(make_engine
     with ThreadPoolExecutor(2) as ex:
         fb, fg = ex.submit(e.generate, "one", bad), ex.submit(e.generate, "two", good)
         b, g = fb.result(60), fg.result(60)
-    assert b.final.finish_reason == "error" and "no token can continue" in b.final.error
+    assert b.final.finish_reason == "error" and "no token can continue" in b.final.message
+    assert b.final.fault is Fault.INTERNAL  # a sampler that raised: the engine's own error, a 500
     assert g.final.finish_reason == "length" and g.final.completion_tokens == 8
     assert e.healthy and e.generate("three", good).final.completion_tokens == 8
 

@@ -241,7 +241,7 @@ def test_compute_failure_stops_the_group_and_fails_requests(make_engine):
 
     ctx.decode = broken
     out = e.generate("hello", GREEDY)
-    assert out.final.finish_reason == "error" and "decode failed" in out.final.error
+    assert out.final.finish_reason == "error" and "decode failed" in out.final.message
     deadline = time.monotonic() + 5
     while e.healthy and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -264,7 +264,7 @@ def test_a_request_that_fails_to_start_reports_its_own_figures(make_engine, monk
 
     monkeypatch.setattr(runner_mod, "SamplerChain", Broken)
     failed = e.generate("hello again", GREEDY)
-    assert failed.final.finish_reason == "error" and "no sampler today" in failed.final.error
+    assert failed.final.finish_reason == "error" and "no sampler today" in failed.final.message
     assert failed.final.completion_tokens == 0 and failed.final.cached_tokens == 0
     assert 0.0 <= failed.final.t_queue <= failed.final.t_end
     monkeypatch.undo()

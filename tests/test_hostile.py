@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from pydantic import ValidationError
 
+from deployments.answers import error_status
 from deployments.api.openai import ChatCompletionRequest, CompletionRequest, chat_prompt
 from engine import Engine, EngineConfig, SamplingParams
 from tests.hostile import CASES, Gaps, hostile_bodies
@@ -78,7 +79,7 @@ class Bed:
                 if o.finish_reason is not None:
                     break
             if o.finish_reason == "error":
-                status, detail = o.status or 500, o.error or ""
+                status, detail = error_status(o)
             else:
                 detail = str(o.finish_reason)
         for m in r.family:

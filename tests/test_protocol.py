@@ -12,7 +12,7 @@ from deployments.api.generation import timings
 from deployments.api.llama import LlamaCompletionRequest, completion_probabilities
 from deployments.api.openai import ChatCompletionRequest, CompletionRequest, SseEvents
 from deployments.api.responses import ResponsesRequest
-from engine.types import FinishReason, Output
+from engine.types import Delta, Finish, FinishReason, Output
 
 
 def test_unknown_fields_are_ignored_and_named_or_refused_when_strict():
@@ -72,7 +72,7 @@ def test_cache_prompt_is_taken_on_every_route():
 def _final(**kw) -> Output:
     base = dict(request_id="r", text="", n_tokens=1, finish_reason=FinishReason.STOP, prompt_tokens=10,
                 completion_tokens=5, cached_tokens=4, t_queue=0.1, t_first_token=0.6, t_end=1.6)
-    return Output(**{**base, **kw})
+    return Finish(**{**base, **kw})
 
 
 def test_timings_are_llama_servers():
@@ -150,8 +150,8 @@ def test_a_responses_answer_with_tool_calls_in_openais_own_types(streamed):
     shaper = ResponsesShaper(Answer("resp_abc", "m", req, req.to_chat(), sub))
     pieces = ["Let me see. <tool_", 'call>{"name": "w", "arguments": {"c": 1}}</tool_call>',
               '<tool_call>{"name": "w", "arguments": {}}</tool_call>']
-    outs = [Output("resp_abc", t, 1) for t in pieces[:-1]]
-    outs.append(Output("resp_abc", pieces[-1], 1, FinishReason.STOP, prompt_tokens=3, completion_tokens=3))
+    outs: list[Output] = [Delta("resp_abc", t, 1) for t in pieces[:-1]]
+    outs.append(Finish("resp_abc", pieces[-1], 1, FinishReason.STOP, prompt_tokens=3, completion_tokens=3))
     if streamed:
         raw = shaper.opening() + b"".join(shaper.events([o]) for o in outs) + shaper.closing()
         events = _events(raw)
@@ -199,10 +199,10 @@ def _stream(include_usage: bool, n: int) -> list[dict]:
     answer = SimpleNamespace(run=run, rid="id-1", model="m", submitted=SimpleNamespace(tools=None, reasoning=None))
     shaper = ChoicesShaper(answer, "chat")
     rids = ["id-1"] + [f"id-1#{i}" for i in range(1, n)]
-    raw = shaper.opening() + b"".join(shaper.events([Output(rid, "ab", 1, prompt_tokens=3, completion_tokens=1)])
+    raw = shaper.opening() + b"".join(shaper.events([Delta(rid, "ab", 1)])
                                       for rid in rids)
     for rid in rids:  # the choices end one after the other
-        raw += shaper.events([Output(rid, "c", 1, FinishReason.STOP, prompt_tokens=3, completion_tokens=2)])
+        raw += shaper.events([Finish(rid, "c", 1, FinishReason.STOP, prompt_tokens=3, completion_tokens=2)])
     raw += shaper.closing()
     return [json.loads(line[6:]) for line in raw.decode().split("\n") if line.startswith("data: {")]
 

@@ -9,7 +9,7 @@ import pytest
 
 from deployments.api.openai import Choice, SseEvents
 from engine.reasoning import MARKERS, ReasoningPlan, ReasoningSplitter, split_reasoning
-from engine.types import FinishReason, Output
+from engine.types import Delta, Finish, FinishReason, Output
 
 THINK = ReasoningPlan("<think>", "</think>")
 
@@ -42,7 +42,9 @@ def test_the_template_chooses_the_markers_and_may_open_the_thinking():
 
 
 def _out(text: str, finish: FinishReason | None = None) -> Output:
-    return Output("r", text, 1, finish, prompt_tokens=3, completion_tokens=4)
+    if finish is None:
+        return Delta("r", text, 1)
+    return Finish("r", text, 1, finish, prompt_tokens=3, completion_tokens=4)
 
 
 def test_chat_answers_carry_reasoning_content_whole_and_streamed():

@@ -20,7 +20,7 @@ import pytest
 from deployments.api.llama import InfillRequest
 from deployments.api.values import Submitted
 from deployments.engine_deployment import NOT_CONNECTED
-from engine.types import EngineRequest, Fault, FinishReason, Output
+from engine.types import Delta, EngineRequest, Failure, Fault, Finish, FinishReason
 from tests.fake_handle import FakeHandle, fake_maker, fake_tokens
 
 SPACE = 2**32 - 1
@@ -114,10 +114,10 @@ class FakeEngine(FakeHandle):
                 r.emitted += 1
                 last = k == budget - 1
                 piece = f"<{t}>".encode()
-                r.queue.put_nowait([Output(
-                    eid, piece.decode(), 1, FinishReason.LENGTH if last else None, prompt_tokens=len(prompt),
-                    completion_tokens=k + 1, tokens=(t,),
-                    logprobs=((piece, -0.5, ((piece, -0.5),)),) if logprobs is not None else None)])
+                lp = ((piece, -0.5, ((piece, -0.5),)),) if logprobs is not None else None
+                r.queue.put_nowait([Finish(eid, piece.decode(), 1, FinishReason.LENGTH, prompt_tokens=len(prompt),
+                                           completion_tokens=k + 1, tokens=(t,), logprobs=lp) if last else
+                                    Delta(eid, piece.decode(), 1, tokens=(t,), logprobs=lp)])
                 if last:
                     return
                 cue = self.cues.pop((r.name, r.emitted), None)
@@ -128,10 +128,9 @@ class FakeEngine(FakeHandle):
 
     def _cue(self, r: Replica, cue: str) -> None:
         if cue in ("fail", "cut", "error"):
-            status, error, fault = (400, "the request's own error", None) if cue == "error" else \
-                (503, STAGE_FROZEN, Fault.STAGE_FROZEN) if cue == "cut" else (503, GROUP_DIED, Fault.ENGINE)
-            r.queue.put_nowait([Output(eid, "", 0, FinishReason.ERROR, error=error, status=status, fault=fault)
-                                for eid in r.running])
+            error, fault = ("the request's own error", Fault.REQUEST) if cue == "error" else \
+                (STAGE_FROZEN, Fault.STAGE_FROZEN) if cue == "cut" else (GROUP_DIED, Fault.ENGINE)
+            r.queue.put_nowait([Failure(eid, fault, error) for eid in r.running])
             r.running.clear()
         if cue in ("die", "cut"):
             r.alive = False

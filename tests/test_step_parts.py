@@ -203,7 +203,7 @@ def test_a_copy_between_streams_takes_the_whole_sequence_then_cuts_it():
     pc = cache(ctx)
     src = Slot(id=1, group=0, seq_id=1, cache_tokens=SYSTEM + [7, 8])
     dst = Slot(id=0, group=0, seq_id=0, cache_tokens=[1, 2, 3])
-    assert pc.take(src, dst, 100)
+    assert pc.reuse_from(src, dst, 100)
     # never a range across streams: llama.cpp aborts the process on one
     assert ctx.calls == [("rm", 0, 0, -1), ("cp", 1, 0, -1, -1), ("rm", 0, 100, -1)]
     assert dst.cache_tokens == SYSTEM and pc.n_copied == 100

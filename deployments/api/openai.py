@@ -347,7 +347,7 @@ class Choice:
             lp = self._shaper.shape(entries) if entries else None
         finish = self.last.finish_reason
         head = ev.chunk(None, None, index=self.index, reasoning=thinking) if thinking else b""
-        if finish is None or finish.failed:
+        if finish is None or self.last.failed:
             return head + (ev.chunk(text, None, logprobs=lp, index=self.index) if text or lp else b"")
         return head + self._closing(ev, text, lp, finish, usage)
 
@@ -405,7 +405,7 @@ class ChoicesShaper:
         last choice, as llama-server wrote it on its finishing chunk before it had the option
         (haystack, among others, reads it there): a client that asked for nothing still learns
         its token counts, and one that asked gets OpenAI's separate usage chunk instead."""
-        if self.include_usage or last.finish_reason is None or last.finish_reason.failed:
+        if self.include_usage or last.finish_reason is None or last.failed:
             return None
         others = [c for c in self.choices if c.index != i]
         if not all(c.finished for c in others):
