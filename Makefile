@@ -29,8 +29,9 @@ CPU_FLAGS := -DGGML_NATIVE=OFF -DGGML_AVX=$(call cpu_has,avx) -DGGML_AVX2=$(call
 endif
 CMAKE_FLAGS := -DGGML_RPC=on -DLLAMA_CURL=off -DLLAMA_BUILD_TESTS=off -DLLAMA_BUILD_EXAMPLES=off $(CPU_FLAGS) \
 	$(if $(filter on,$(GGML_CUDA)),-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCH) $(if $(NVCC),-DCMAKE_CUDA_COMPILER=$(NVCC)),)
-# The wheel builds mtmd too (libmtmd: images and audio through a model's projector, --mmproj).
-WHEEL_CMAKE_FLAGS := $(CMAKE_FLAGS) -DLLAVA_BUILD=on
+# The wheel builds mtmd too (libmtmd: images and audio through a model's projector, --mmproj),
+# without its video path: that hands bytes stb_image cannot read to an ffmpeg subprocess.
+WHEEL_CMAKE_FLAGS := $(CMAKE_FLAGS) -DLLAVA_BUILD=on -DMTMD_VIDEO=OFF
 # The built wheel is kept here, keyed by the build flags, so later installs do not rebuild.
 WHEEL_CACHE ?= .cache/wheels
 FLAGS_ID := $(shell echo '$(WHEEL_CMAKE_FLAGS)' | md5sum | cut -c1-8)

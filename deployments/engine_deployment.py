@@ -282,7 +282,7 @@ class EngineDeployment:
     async def props(self) -> dict:
         """What llama-server's ``/props`` reads of this replica (the ingress shapes it)."""
         return {"config": self.config, "n_ctx_slot": self.engine.n_ctx_slot, "model_name": self.engine.model_name,
-                "devices": self.engine.devices, "topology": self.topology}
+                "devices": self.engine.devices, "topology": self.topology, "modalities": self.engine.modalities}
 
     async def drain(self, grace_s: float, replica: str | None = None) -> dict:
         """Stop taking requests; give running ones ``grace_s`` to finish, then end the rest
@@ -329,6 +329,7 @@ class EngineDeployment:
             "pipeline_groups": self.config.pipeline_groups,
             "devices": self.engine.devices,
             "n_vocab": self.engine.model.n_vocab,
+            "modalities": self.engine.modalities,
             "meta": {**self.engine.model.meta(), "n_ctx": self.engine.n_ctx_slot},
             "speculative": self.config.speculative.model_dump() if self.config.speculative else None,
             "healthy": self.engine.healthy and self._failed is None,

@@ -35,10 +35,12 @@ class MakerConfig:
 
 
 class PromptMaker:
-    def __init__(self, tokenizer: Any, model: Any, n_ctx_slot: int, n_parallel: int, config: MakerConfig) -> None:
+    def __init__(self, tokenizer: Any, model: Any, n_ctx_slot: int, n_parallel: int, config: MakerConfig,
+                 modalities: dict[str, bool] | None = None) -> None:
         from engine.tokenizer import server_limits
 
         self.tokenizer, self.model, self.config = tokenizer, model, config
+        self.modalities = modalities or {}
         self.n_ctx_slot = n_ctx_slot
         self.slot_limit, self.context_limit = server_limits(n_ctx_slot, n_parallel)
 
@@ -47,7 +49,7 @@ class PromptMaker:
         """The maker of an engine in this process (tests, tools): its own tokenizer."""
         c = engine.config
         return cls(engine.tokenizer, engine.model, engine.n_ctx_slot, c.n_parallel,
-                   MakerConfig(c.n_slots_per_group, c.n_batch))
+                   MakerConfig(c.n_slots_per_group, c.n_batch), engine.modalities)
 
     @classmethod
     def load(cls, info: dict[str, Any]) -> PromptMaker:
@@ -59,7 +61,7 @@ class PromptMaker:
         model = Model(info["model_path"], devices=[], vocab_only=True, release_offloaded=False)
         tok = Tokenizer(model, info.get("chat_template"), info.get("chat_template_file"))
         return cls(tok, model, info["n_ctx_slot"], info["n_parallel"],
-                   MakerConfig(info["n_slots_per_group"], info["n_batch"]))
+                   MakerConfig(info["n_slots_per_group"], info["n_batch"]), info.get("modalities"))
 
     def tokenize_prompt(self, prompt: str | list[int], limit: Any = None) -> list[int]:
         """A prompt's tokens, as the engine's ``tokenize_prompt``; ``limit`` (default: a slot's,
@@ -69,11 +71,37 @@ class PromptMaker:
         return prompt_tokens(self.tokenizer, prompt, limit or self.slot_limit)
 
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                     cache_prompt: bool = True, n: int = 1, id_slot: int = -1, n_resumed: int = 0) -> EngineRequest:
-        """The request the engine runs; raises ``RequestError`` for what no slot can take."""
-        tokens = self.tokenize_prompt(prompt)
+                     cache_prompt: bool = True, n: int = 1, id_slot: int = -1, n_resumed: int = 0,
+                     media: tuple[bytes, ...] = (), marker: str = "") -> EngineRequest:
+        """The request the engine runs; raises ``RequestError`` for what no slot can take. With
+        ``media``, the text prompt holds ``marker`` where each goes: the text between is
+        tokenised piece by piece (as mtmd does), each medium one ``MEDIA_SLOT`` the engine
+        replaces by its rows."""
+        tokens = self.media_tokens(prompt, media, marker) if media else self.tokenize_prompt(prompt)
         return EngineRequest.of(request_id, tokens, params, n=n, id_slot=id_slot, cache_prompt=cache_prompt,
-                                n_resumed=n_resumed)
+                                n_resumed=n_resumed, media=tuple(media))
+
+    def media_tokens(self, prompt: str | list[int], media: tuple[bytes, ...], marker: str) -> list[int]:
+        from engine.errors import RequestError
+        from engine.media import MEDIA_SLOT
+
+        if not any(self.modalities.values()):
+            raise RequestError("this model takes text only: it is served without a projector (mmproj)")
+        if not isinstance(prompt, str):
+            raise RequestError("media go with a text prompt, which holds a marker where each goes")
+        pieces = prompt.split(marker)
+        if len(pieces) - 1 != len(media):
+            raise RequestError(f"the prompt holds {len(pieces) - 1} media markers ({marker}) for {len(media)} media")
+        tokens: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k:
+                tokens.append(MEDIA_SLOT)
+            if piece or k == 0:
+                tokens += self.tokenizer.encode(piece, add_special=k == 0, parse_special=True, limit=self.slot_limit)
+            if len(tokens) > self.slot_limit.n_tokens:
+                raise RequestError(f"the prompt is over {self.slot_limit.n_tokens} tokens but {self.slot_limit.what}: "
+                                   "shorten the prompt")
+        return tokens
 
 
 class Makers:

@@ -279,6 +279,21 @@ class EngineConfig(BaseModel):
         description="Speculative decoding per group: {type: ngram|draft, model, n_max, n_min, p_min, "
         "max_rows, ...}; None: off. See engine/speculative.py.",
     )
+    mmproj: str | None = Field(
+        default=None,
+        description="GGUF of the model's multimodal projector: images (and audio, where the projector "
+        "takes it) in prompts, with any number of pipeline groups [--mmproj]. See docs/media.md.",
+    )
+    mmproj_offload: bool = Field(
+        default=True,
+        description="Run the projector on the local node's GPU when it has one (the node of the output "
+        "layer); false: on its CPU [--no-mmproj-offload].",
+    )
+    media_cache_mib: int = Field(
+        default=256, ge=0, le=65536,
+        description="Embeddings of the last images kept by their bytes' hash, so the next turn about "
+        "the same image is not encoded again.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -306,6 +321,9 @@ class EngineConfig(BaseModel):
             raise ValueError("tensor_split entries must be >= 0")
         if self.peer_layers is not None and self.tensor_split is not None:
             raise ValueError("set peer_layers or tensor_split, not both")
+        if self.mmproj and self.speculative is not None and self.speculative.type == "mtp":
+            raise ValueError("speculative type mtp with mmproj: the MTP layers would not see the images' "
+                             "rows (ngram and draft speculate for requests without media)")
         return self
 
     @property

@@ -29,6 +29,7 @@ from engine.embeddings import Embedder
 from engine.gguf_shape import GgufShape, read_shape
 from engine.grammar import GrammarCompiler, GrammarDeadEnd
 from engine.group import CancelMsg, PipelineGroup, SlotBusyError, SlotOpMsg, StartMsg
+from engine.media import MEDIA_SLOT, MediaSpan, load_projector
 from engine.mtp import require_mtp
 from engine.native import Model, add_rpc_server, local_device_name
 from engine.prefix import sharing_on
@@ -158,6 +159,9 @@ class Engine:
                                       config.flash_attn) if config.embeddings else None)
             if self.embedder is not None:
                 built.callback(self.embedder.close)
+            self.projector = load_projector(config, self.model) if config.mmproj else None
+            if self.projector is not None:
+                built.callback(self.projector.close)
             self._free = built.pop_all()
         self.n_ctx_slot = self.groups[0].n_ctx_slot
         # what a prompt, and a text for /tokenize or /apply-template, may take: past it, refused
@@ -177,6 +181,12 @@ class Engine:
             self.n_kept,
             self.entry_bytes / 2**20,
         )
+
+    @property
+    def modalities(self) -> dict[str, bool]:
+        """What the model takes beside text (llama-server's /props ``modalities``)."""
+        p = self.projector
+        return {"vision": bool(p and p.vision), "audio": bool(p and p.audio), "video": False}
 
     def kv_bytes_per_token(self) -> dict[str, int]:
         """The KV bytes one cached token takes on each device (f16 KV): each stage keeps its
@@ -198,6 +208,7 @@ class Engine:
     def make_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
         cache_prompt: bool = True, n: int = 1, id_slot: int = -1, n_resumed: int = 0,
+        media: list[MediaSpan] | None = None,
     ) -> Request:
         """Validate and tokenise; raises ``RequestError`` for what cannot be served. With
         ``n`` > 1 the request leads ``n - 1`` followers (see ``Request.followers``), whose
@@ -213,7 +224,8 @@ class Engine:
         if n > per_group:
             raise RequestError(f"n={n} needs {n} slots of one pipeline group; each group has {per_group} "
                                "(n_parallel / pipeline_groups)")
-        tokens = self.tokenize_prompt(prompt)
+        # a prompt with media comes expanded (Projector.expand): its text ids checked, its rows' ids negative
+        tokens = list(prompt) if media else self.tokenize_prompt(prompt)
         room = self.n_ctx_slot - len(tokens)
         if room < 1:
             raise RequestError(
@@ -231,21 +243,36 @@ class Engine:
             seed = self.config.seed if self.config.seed >= 0 else random.randrange(0, 2**32 - 1 - n)
             params = params.model_copy(update={"seed": seed})
         r = Request(id=rid, prompt_tokens=tokens, params=params, n_predict=min(params.max_tokens, room),
-                    cache_prompt=cache_prompt, id_slot=id_slot, grammar=grammar)
+                    cache_prompt=cache_prompt, id_slot=id_slot, grammar=grammar, media=media or [])
         if n_resumed:
             self._advance(r, tokens[len(tokens) - n_resumed:])
         for i in range(1, n):
             seed_i = (params.seed + i) % (2**32 - 1)
             r.followers.append(Request(id=f"{rid}#{i}", prompt_tokens=tokens, t_arrival=r.t_arrival,
                                        params=params.model_copy(update={"seed": seed_i}), n_predict=r.n_predict,
-                                       cache_prompt=False, grammar=grammar.copy() if grammar else None))
+                                       cache_prompt=False, grammar=grammar.copy() if grammar else None,
+                                       media=r.media))
         return r
 
     def accept(self, er: EngineRequest) -> Request:
         """The engine's request for one the ingress made (``make_request``'s checks: ids in the
-        vocabulary, room in a slot, the grammar compiled here, on the caller's thread)."""
-        return self.make_request(er.prompt_tokens, er.params, er.id, cache_prompt=er.cache_prompt, n=er.n,
-                                 id_slot=er.id_slot, n_resumed=er.n_resumed)
+        vocabulary, room in a slot, the grammar compiled here, on the caller's thread). Its
+        media are encoded here too (engine.media: the projector, one encode at a time), never on
+        a group's thread."""
+        tokens, spans = er.prompt_tokens, []
+        if er.media:
+            if self.projector is None:
+                raise RequestError("this model takes text only: it is served without a projector (mmproj)")
+            bad = [t for t in tokens if t != MEDIA_SLOT and not 0 <= t < self.model.n_vocab]
+            if bad:
+                raise RequestError(f"prompt token ids out of range [0, {self.model.n_vocab}): {bad[:5]}")
+            tokens, spans = self.projector.expand(tokens, er.media)
+            wide = next((s.n for s in spans if not s.causal and s.n > self.config.n_ubatch), None)
+            if wide is not None:
+                raise RequestError(f"an image of {wide} rows attends to itself whole, past n_ubatch "
+                                   f"{self.config.n_ubatch}: raise n_ubatch (and n_batch) or send a smaller image")
+        return self.make_request(tokens, er.params, er.id, cache_prompt=er.cache_prompt, n=er.n,
+                                 id_slot=er.id_slot, n_resumed=er.n_resumed, media=spans)
 
     def _advance(self, r: Request, generated: list[int]) -> None:
         """A resumed request's state after the tokens it generated before: its grammar has
@@ -297,9 +324,20 @@ class Engine:
     # ---- convenience for plain Python use (sink=None) ------------------------------------------
 
     def stream(self, prompt: str | list[int], params: SamplingParams) -> Iterator[Output]:
+        return self.stream_request(self.make_request(prompt, params))
+
+    def complete(self, r: Request) -> Completion:
+        """The whole answer of a request made already (``accept``, ``make_request``)."""
+        parts, last = [], None
+        for o in self.stream_request(r):
+            parts.append(o.text)
+            last = o
+        assert last is not None
+        return Completion("".join(parts), last)
+
+    def stream_request(self, r: Request) -> Iterator[Output]:
         if self.outputs is None:
             raise RuntimeError("stream() needs the engine's own output queues (sink=None)")
-        r = self.make_request(prompt, params)
         q = self.outputs.register(r.id)
         try:
             self.submit(r)
@@ -313,12 +351,7 @@ class Engine:
                 self.cancel(r.id)
 
     def generate(self, prompt: str | list[int], params: SamplingParams) -> Completion:
-        parts, last = [], None
-        for o in self.stream(prompt, params):
-            parts.append(o.text)
-            last = o
-        assert last is not None
-        return Completion("".join(parts), last)
+        return self.complete(self.make_request(prompt, params))
 
     def generate_n(self, prompt: str | list[int], params: SamplingParams, n: int) -> list[Completion]:
         """``n`` choices of one prompt, evaluated once (see ``Request.followers``)."""
@@ -432,7 +465,7 @@ class Engine:
         if stuck:
             log.error("pipeline group(s) %s did not stop; their native state is left as it is", stuck)
             return
-        self._free.close()  # the embedder, the groups, the grammars, the draft model, the model
+        self._free.close()  # the projector, the embedder, the groups, the grammars, the draft model, the model
 
 
 def _is_plain_filename(name: str) -> bool:

@@ -285,7 +285,7 @@ class PipelineGroup:
             plan = plan_step(self.active, drafts, runner.capacity, runner.n_ubatch, cfg.kv_unified,
                              allowed, cfg.prefill_long_tokens, cut, cfg.prefill_aging_steps)
             runner.fill(plan)
-        n_prompt = sum(len(e.tokens) for e in plan.entries if e.slot.state is SlotState.PROMPT)
+        n_prompt = plan.n_prompt
         budget.begin(self.index, n_prompt)
         self.decode_rows = (n_rows, n_prompt)
         t0 = time.perf_counter()
@@ -295,7 +295,7 @@ class PipelineGroup:
                 runner.decode(plan)
         except NativeError as e:
             budget.end(self.index)
-            self._fail_batch([en.slot for en in plan.entries], str(e))
+            self._fail_batch([en.slot for en in plan.entries] + [m.slot for m in plan.media], str(e))
             if e.rc < 0:
                 # a compute failure (e.g. the RPC stage went away): the context cannot be
                 # trusted any more; the group stops and the engine reports itself unhealthy

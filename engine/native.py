@@ -460,6 +460,9 @@ class Context:
     def clear(self) -> None:
         llama_cpp.llama_memory_clear(self.memory, True)
 
+    def set_causal(self, causal: bool) -> None:
+        llama_cpp.llama_set_causal_attn(self.ptr, causal)
+
     def decode(self, batch: Batch) -> None:
         rc = llama_cpp.llama_decode(self.ptr, batch.struct)
         if rc != 0:
@@ -569,7 +572,9 @@ class Batch:
     the token and the hidden state that came before it).
     """
 
-    def __init__(self, capacity: int, n_embd: int = 0) -> None:
+    def __init__(self, capacity: int, n_embd: int = 0, *, embeddings_only: bool = False) -> None:
+        """``embeddings_only`` (with ``n_embd``): the rows are their vectors alone, no token
+        (a medium's rows from the projector)."""
         self.capacity = capacity
         self.embd = np.zeros((capacity, n_embd), np.float32) if n_embd else None
         self.token = np.zeros(capacity, np.int32)
@@ -582,7 +587,7 @@ class Batch:
         self._seq_ptrs = (i32p * capacity)(*[ctypes.cast(base + 4 * i, i32p) for i in range(capacity)])
         self.struct = llama_cpp.llama_batch(
             n_tokens=0,
-            token=self.token.ctypes.data_as(i32p),
+            token=None if embeddings_only else self.token.ctypes.data_as(i32p),
             embd=self.embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if n_embd else None,
             pos=self.pos.ctypes.data_as(i32p),
             n_seq_id=self.n_seq_id.ctypes.data_as(i32p),

@@ -9,6 +9,10 @@ follower then samples its first token from the leader's row). The runner fills t
 ``llama_batch``, decodes and makes the copies; ``Plan.advance`` then moves every slot's prompt
 on by what was computed or copied, and the output processor samples the rows.
 
+A prompt's medium (an image's embedding rows: engine/media.py) is a ``MediaEntry`` of its own:
+llama.cpp takes no batch of tokens and embeddings mixed, so the runner decodes each medium whole,
+before the step's batch of tokens; a prompt chunk stops where a medium begins.
+
 How a request starts is planned here too (``plan_start``: what of the KV it reuses, or whose
 prefix it waits for); the runner carries it out (``Runner.begin``).
 """
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.batching import Entry, count_ubatches, order_entries
+from engine.media import MediaSpan, is_media
 from engine.prefix import Reuse
 from engine.slots import Slot, SlotState
 
@@ -54,6 +59,19 @@ class Copy:
 
 
 @dataclass(slots=True)
+class MediaEntry:
+    """A medium of a slot's prompt, decoded whole as its own batch of embedding rows."""
+
+    slot: Slot
+    span: MediaSpan
+
+    @property
+    def tokens(self) -> list[int]:
+        """Its rows' ids in the prompt (what the slot's KV then holds)."""
+        return self.slot.req.prompt_tokens[self.span.start : self.span.start + self.span.n]
+
+
+@dataclass(slots=True)
 class Plan:
     entries: list[Entry]  # batch order
     rows: list[Row]  # logits order, then the followers' rows on their leaders' logits
@@ -63,11 +81,20 @@ class Plan:
     copies: list[Copy]
     # the prompts that could take tokens, each with whether others held it back this step
     turns: list[tuple[Slot, bool]] = field(default_factory=list)
+    media: list[MediaEntry] = field(default_factory=list)  # decoded before the batch, in this order
+
+    @property
+    def n_prompt(self) -> int:
+        """The prompt positions this step evaluates (media rows among them)."""
+        return sum(len(e.tokens) for e in self.entries if e.slot.state is SlotState.PROMPT) + \
+            sum(m.span.n for m in self.media)
 
     def advance(self) -> None:
         """The decode ran: each prompt is on by its chunk, each waiting slot has what its copy
         gave (nothing when it failed: it evaluates its prompt itself, without a row now); a
         prompt held back counts one more step in a row, one that got its due counts none."""
+        for m in self.media:
+            m.slot.n_prompt_done += m.span.n
         for e in self.entries:
             if e.slot.state is SlotState.PROMPT:
                 e.slot.n_prompt_done += len(e.tokens)
@@ -137,8 +164,8 @@ def draft_requests(gen: list[Slot], spec: SpeculativeConfig, n_ctx_slot: int) ->
         return []
     rows = []
     for s in gen:
-        if not s.req.params.speculative:
-            continue
+        if not s.req.params.speculative or (s.req.media and spec.type != "ngram"):
+            continue  # a draft model, or MTP layers, never saw a medium's rows
         # the last verified row is the request's last token: never draft past n_predict
         limit = min(spec.n_max, s.req.n_predict - s.n_generated - 1, n_ctx_slot - len(s.cache_tokens) - 1)
         if limit >= spec.n_min and s.spec.wants():
@@ -161,14 +188,25 @@ def plan_step(active: list[Slot], drafts: dict[int, list[int]], capacity: int, n
     free = capacity - len(gen)
     for s in gen:
         draft = drafts.get(s.id, ())[:free]
+        if draft and min(draft) < 0:  # an n-gram of a prompt with media: never a medium's row as a token
+            draft = draft[: next(i for i, t in enumerate(draft) if t < 0)]
         free -= len(draft)
         entries.append(Entry(s, s.seq_id, len(s.cache_tokens), [s.last_token, *draft], True, list(draft)))
     first = free  # what a prompt claiming first may take
     budget = free if prompt_budget is None else prompt_budget
     cut = beside_short
     turns: list[tuple[Slot, bool]] = []
+    media: list[MediaEntry] = []
     for s in prompt_order([s for s in prompting(active) if not s.waiting], aging):
         p = s.req.prompt_tokens
+        if s.req.media and is_media(p[s.n_prompt_done]):
+            # a medium next: decoded whole, on its own, before the batch; its text follows next step
+            span = next(m for m in s.req.media if m.start == s.n_prompt_done)
+            media.append(MediaEntry(s, span))
+            if prompt_budget is not None:
+                budget -= span.n
+            turns.append((s, False))
+            continue
         left = len(p) - s.n_prompt_done
         long = to_evaluate(s) > long_prompt
         due = min(left, first)  # what it would take first
@@ -183,6 +221,10 @@ def plan_step(active: list[Slot], drafts: dict[int, list[int]], capacity: int, n
         turns.append((s, n < due))
         if n == 0:
             continue
+        if s.req.media:  # a chunk stops where the next medium begins
+            nxt = next((m.start for m in s.req.media if m.start > s.n_prompt_done), None)
+            if nxt is not None:
+                n = min(n, nxt - s.n_prompt_done)
         chunk = p[s.n_prompt_done : s.n_prompt_done + n]
         free -= n
         if long:
@@ -199,7 +241,8 @@ def plan_step(active: list[Slot], drafts: dict[int, list[int]], capacity: int, n
             n_logits += 1 + len(e.draft)
         n_tokens += len(e.tokens)
     copies = _copies(entries, rows)
-    return Plan(entries, rows, n_tokens, n_logits, count_ubatches(entries, n_ubatch, unified), copies, turns)
+    return Plan(entries, rows, n_tokens, n_logits, count_ubatches(entries, n_ubatch, unified), copies, turns,
+                media)
 
 
 def _copies(entries: list[Entry], rows: list[Row]) -> list[Copy]:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine.errors import NativeError
+from engine.media import media_boundary
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -53,6 +54,12 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 def _lcp(a: list[int] | np.ndarray, b: np.ndarray) -> int:
     return common_prefix(np.asarray(a, np.int32), b)
+
+
+def _reusable(a: list[int] | np.ndarray, p: np.ndarray, cap: int) -> int:
+    """What ``p`` may reuse of a sequence holding ``a``: their common prefix, at most ``cap``,
+    never cutting through a medium (engine/media.py)."""
+    return media_boundary(p, min(_lcp(a, p), cap))
 
 
 def window_holds(ctx: Context, n_swa: int, seq_id: int, n: int) -> bool:
@@ -122,7 +129,7 @@ class PrefixCache:
         The last prompt token is always evaluated (its logits give the first token)."""
         p = np.asarray(prompt, np.int32)
         cap = len(prompt) - 1
-        n_own = min(_lcp(slot.cache_tokens, p), cap) if own and slot.cache_tokens else 0
+        n_own = _reusable(slot.cache_tokens, p, cap) if own and slot.cache_tokens else 0
         if n_own and not self._can_keep(slot, n_own):
             n_own = 0  # what the slot holds cannot be cut back there: a window dropped it, or a recurrent state
         best = Reuse(own=n_own)
@@ -132,14 +139,14 @@ class PrefixCache:
         for o in [*(others if self.shareable else ()), *(self.kept.held() if self.kept else ())]:
             if o is slot or o.leader is not None:
                 continue  # a follower's KV is its leader's to give
-            n = min(_lcp(o.cache_tokens, p), cap) if o.cache_tokens else 0
+            n = _reusable(o.cache_tokens, p, cap) if o.cache_tokens else 0
             if self.whole_only and n != len(o.cache_tokens):
                 continue
             if n >= need and n > best.n and window_holds(self.ctx, self.n_swa, o.seq_id, n):
                 best = Reuse(own=n_own, source=o, shared=n, ready=True)
             if o.req is not None and o.n_prompt_done < len(o.req.prompt_tokens):
                 # a prompt on its way: worth waiting for when it gives clearly more
-                m = min(_lcp(o.req.prompt_tokens, p), cap)
+                m = _reusable(o.req.prompt_tokens, p, cap)
                 if m >= need and m >= best.n + self.share_min:
                     best = Reuse(own=n_own, source=o, shared=m, ready=o.n_prompt_done >= m)
         return best

@@ -15,12 +15,13 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+import llama_cpp
 import numpy as np
 
 from engine.config import EngineConfig
 from engine.mtp import MtpDrafter
 from engine.native import Batch, Context, Model, NativeError
-from engine.planner import Plan, Start
+from engine.planner import MediaEntry, Plan, Start
 from engine.prefix import PrefixCache, sharing_on
 from engine.prompt_cache import PromptCache
 from engine.sampling import SamplerChain
@@ -78,6 +79,8 @@ class Runner:
                     built.callback(self.drafter.close)
             self._close = built.pop_all()
         self.batch = Batch(n_batch)
+        self.n_embd = int(llama_cpp.llama_model_n_embd(model.ptr))
+        self._media_batch: Batch | None = None  # made for the first medium, as large as the largest
         self.n_ctx_slot = self.ctx.n_ctx_seq
         self.n_ubatch = self.ctx.n_ubatch
         # a recurrent state cannot go back to a position, nor a sliding window to one it dropped
@@ -123,18 +126,45 @@ class Runner:
         """Decode the filled batch; the prefix cache then holds the plan's tokens, and the
         waiting slots the plan made due have their copies. Raises ``NativeError`` (``rc < 0``:
         a compute failure, the context cannot be trusted)."""
-        self.decode_since = time.monotonic()
-        try:
-            self.ctx.decode(self.batch)
-        finally:
-            self.decode_since = 0.0
-            self.prefix.applied()
+        for m in plan.media:
+            self._decode_medium(m)
+        if plan.entries:
+            self.decode_since = time.monotonic()
+            try:
+                self.ctx.decode(self.batch)
+            finally:
+                self.decode_since = 0.0
+                self.prefix.applied()
         for e in plan.entries:
             self.prefix.extend(e.slot, e.tokens)
         if self.mtp is not None:
             self.mtp.observe(plan)
         for c in plan.copies:
             c.done = self.prefix.reuse_from(c.src, c.dst, c.n)
+
+    def _decode_medium(self, m: MediaEntry) -> None:
+        """One medium's embedding rows into its slot's KV: a batch of their own (without
+        logits), with causal attention off where the projector's rows attend to each other."""
+        span, ids = m.span, m.tokens
+        b = self._media_batch
+        if b is None:
+            b = self._media_batch = Batch(self.batch.capacity, self.n_embd, embeddings_only=True)
+        self.decode_since = time.monotonic()
+        try:
+            if not span.causal:  # whole in one micro-batch (the engine checked n_ubatch)
+                self.ctx.set_causal(False)
+            try:
+                for i in range(0, span.n, b.capacity):  # a batch takes n_batch rows at most
+                    b.clear()
+                    b.add(ids[i : i + b.capacity], span.start + i, m.slot.seq_id, 0, embd=span.embd[i : i + b.capacity])
+                    self.ctx.decode(b)
+            finally:
+                if not span.causal:
+                    self.ctx.set_causal(True)
+        finally:
+            self.decode_since = 0.0
+            self.prefix.applied()
+        self.prefix.extend(m.slot, ids)
 
     # ---- a request starts ---------------------------------------------------------------------
 
@@ -153,7 +183,7 @@ class Runner:
         sampler = SamplerChain(r.params, self.n_vocab, self.seed, force_chain=self.backend_sampling,
                                banned=banned, vocab=self.vocab, grammar=r.grammar)
         try:
-            sampler.accept_prompt(r.prompt_tokens)
+            sampler.accept_prompt([t for t in r.prompt_tokens if t >= 0] if r.media else r.prompt_tokens)
         except BaseException:
             sampler.close()
             raise

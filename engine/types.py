@@ -46,7 +46,9 @@ class EngineRequest:
     """The one value a request crosses into the engine as: its prompt as token ids (packed, four
     bytes a token: made by the ingress, which templates and tokenises), its sampling, its
     choices (``n``: followers seeded ``seed + i``), its slot pin and prefix reuse, and for a
-    resumed choice how many of the prompt's last tokens it had generated (``n_resumed``)."""
+    resumed choice how many of the prompt's last tokens it had generated (``n_resumed``). With
+    ``media`` (the bytes of each image or audio clip, checked by the ingress), the prompt holds
+    ``engine.media.MEDIA_SLOT`` where each goes, in order."""
 
     id: str
     prompt: bytes
@@ -55,6 +57,7 @@ class EngineRequest:
     id_slot: int = -1
     cache_prompt: bool = True
     n_resumed: int = 0
+    media: tuple[bytes, ...] = ()
 
     @classmethod
     def of(cls, request_id: str, tokens: list[int], params: SamplingParams, **kw: Any) -> EngineRequest:
@@ -103,6 +106,8 @@ class Request:
     # held back for a stop string or a split character), consumed by the slot that runs it
     n_resumed: int = 0
     text: Any = None
+    # the prompt's media (engine.media.MediaSpan: first position, embedding rows), in order
+    media: list = field(default_factory=list)
 
     @property
     def family(self) -> list[Request]:

@@ -154,7 +154,7 @@ def _chat_messages(i: int, m: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(content, list):
         raise ValueError(f"messages[{i}].content must be a string or a list of content blocks")
     out: list[dict[str, Any]] = []
-    text: list[str] = []
+    text: list[Any] = []  # strings, and image parts (dicts) in their place
     calls: list[dict[str, Any]] = []
     for j, b in enumerate(content):
         kind = b.get("type") if isinstance(b, dict) else None
@@ -170,12 +170,21 @@ def _chat_messages(i: int, m: dict[str, Any]) -> list[dict[str, Any]]:
                         "content": ("Error: " + result) if b.get("is_error") else result})
         elif kind in ("thinking", "redacted_thinking"):
             continue  # a reasoning trace of an earlier turn: not part of the prompt here
+        elif kind == "image" and role == "user":
+            src = b.get("source")
+            if not isinstance(src, dict) or src.get("type") != "base64":
+                raise ValueError(f"{where}: an image block's source must be {{type: base64, media_type, data}} "
+                                 "(URLs are not fetched)")
+            text.append({"type": "image_url",  # checked where the chat request is (deployments/api/media.py)
+                         "image_url": {"url": f"data:{src.get('media_type') or ''};base64,{src.get('data') or ''}"}})
         elif kind in ("image", "document"):
-            raise ValueError(f"{where}: {kind} blocks are not supported (text only)")
+            raise ValueError(f"{where}: {kind} blocks are not supported here")
         else:
             raise ValueError(f"{where}: unsupported content block type {kind!r}")
     if text or calls or not out:
-        msg: dict[str, Any] = {"role": role, "content": "".join(text)}
+        parts = [{"type": "text", "text": t} if isinstance(t, str) else t for t in text]
+        content = parts if any(not isinstance(t, str) for t in text) else "".join(text)
+        msg: dict[str, Any] = {"role": role, "content": content}
         if calls:
             msg["tool_calls"] = calls
         out.append(msg)

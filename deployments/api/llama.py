@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, model_validator
 
+from deployments.api import media
 from deployments.api.base import (
     MAX_PROMPT_CHARS,
     Answer,
@@ -25,6 +26,7 @@ from deployments.api.base import (
 )
 from deployments.api.embeddings import EmbeddingRequest, embed
 from deployments.api.generation import prompt_progress, timings
+from deployments.api.media import MediaBag
 from deployments.api.openai import ChatMessage, CompletionRequest, template_messages
 from deployments.api.values import Prepared
 from engine.errors import RequestError
@@ -44,6 +46,26 @@ class LlamaCompletionRequest(CompletionRequest):
                         "answers a list of completions (at most the slots of one pipeline group).")
     n_indent: int | None = Field(default=None, ge=0, description="llama-server's least indentation of infill lines "
                                  "(accepted; not applied).")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _multimodal(cls, data: Any, handler: Any) -> Any:
+        """llama-server's multimodal prompt, ``{"prompt_string": "... <__media__> ...",
+        "multimodal_data": [base64, ...]}``: the string is the prompt, the data its media."""
+        bag = MediaBag()
+        if isinstance(data, dict) and isinstance(data.get("prompt"), dict):
+            p = data["prompt"]
+            items = p.get("multimodal_data") or []
+            if not isinstance(items, list):
+                raise ValueError("prompt.multimodal_data must be a list of base64 strings")
+            for i, b64 in enumerate(items):
+                where = f"prompt.multimodal_data[{i}]"
+                kind = "audio" if media.sniff_b64(b64) in media.AUDIO_TYPES else "image"
+                bag.add(media.from_base64(b64, where, kind), where)
+            data = {**data, "prompt": p.get("prompt_string", "")}
+        req = handler(data)
+        req._media = tuple(bag.items)
+        return req
 
     @model_validator(mode="after")
     def _slot(self) -> LlamaCompletionRequest:
@@ -326,7 +348,7 @@ def llama_props(tok: Any, report: dict) -> dict:
         "total_slots": config.n_parallel,
         "model_alias": report["model_name"],
         "model_path": config.model,
-        "modalities": {"vision": False, "audio": False, "video": False},
+        "modalities": report.get("modalities") or {"vision": False, "audio": False, "video": False},
         "endpoint_slots": True, "endpoint_props": True, "endpoint_metrics": True,
         "chat_template": tok.template.source,
         "chat_template_caps": {

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
+from deployments.api import media
 from deployments.api.base import (
     MAX_PROMPT_CHARS,
     Answer,
@@ -29,6 +30,7 @@ from deployments.api.base import (
 )
 from deployments.api.embeddings import EMBEDDINGS
 from deployments.api.generation import GenerationRequest, prompt_progress, timings
+from deployments.api.media import CHAT_MARKER, MEDIA_PARTS, MediaBag
 from deployments.api.values import Prepared, ToolSettings
 from engine.reasoning import ReasoningPlan, ReasoningSplitter, split_reasoning
 from engine.tools import ToolPlan, check_tools, chosen, template_message, tool_finish
@@ -42,6 +44,7 @@ DONE = b"data: [DONE]\n\n"
 
 
 class CompletionRequest(GenerationRequest):
+    _media: tuple[bytes, ...] = PrivateAttr(default=())  # /completion's multimodal_data, checked
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20, description="Log probabilities of each token and this many alternatives.")
@@ -77,7 +80,7 @@ class CompletionRequest(GenerationRequest):
         """The engine's request (on the engine replica, off its event loop)."""
         prompt = self.engine_prompt(engine)
         r = engine.make_request(prompt, self.sampling(engine.n_ctx_slot), request_id, cache_prompt=self.cache_prompt,
-                                n=self.n, id_slot=self.id_slot)
+                                n=self.n, id_slot=self.id_slot, media=self._media, marker=media.MEDIA_MARKER)
         echo = None
         if self.echo:  # after make_request: token ids are checked there (400), not decoded blind
             echo = prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)
@@ -94,16 +97,36 @@ class ChatMessage(Bounded):
     name: str | None = None
 
     def text(self) -> str:
+        """The content as the template takes it: an image or audio part is ``CHAT_MARKER``."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
         for p in self.content:
-            if p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(p["text"])
+            kind = p.get("type")
+            if kind == "text" and isinstance(p.get("text"), str):
+                parts.append(p["text"])
+            elif kind in MEDIA_PARTS:
+                parts.append(CHAT_MARKER)
+            else:
+                raise ValueError("content parts are text, image_url or input_audio")
         return "".join(parts)
+
+    def add_media(self, bag: MediaBag, where: str) -> None:
+        """This message's images and audio, in order, into ``bag`` (checked: deployments/api/media.py)."""
+        if not isinstance(self.content, list):
+            return
+        for j, p in enumerate(self.content):
+            at = f"{where}.content[{j}]"
+            if p.get("type") == "image_url":
+                img = p.get("image_url")
+                bag.add(media.from_data_url(img.get("url") if isinstance(img, dict) else img, at + ".image_url"), at)
+            elif p.get("type") == "input_audio":
+                a = p.get("input_audio")
+                if not isinstance(a, dict):
+                    raise ValueError(f"{at}.input_audio must be {{data, format}}")
+                bag.add(media.from_base64(a.get("data"), at + ".input_audio", "audio", a.get("format")), at)
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -113,6 +136,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 class ChatCompletionRequest(GenerationRequest):
+    _media: tuple[bytes, ...] = PrivateAttr(default=())
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=-1, le=1_000_000)
     logprobs: bool | None = None
@@ -137,7 +161,16 @@ class ChatCompletionRequest(GenerationRequest):
         total = sum(len(m.text()) for m in self.messages)
         if total > MAX_PROMPT_CHARS:
             raise ValueError(f"messages longer than {MAX_PROMPT_CHARS} characters")
+        bag = MediaBag()
+        for i, m in enumerate(self.messages):
+            m.add_media(bag, f"messages[{i}]")
+        self._media = tuple(bag.items)
         return self
+
+    @property
+    def media(self) -> tuple[bytes, ...]:
+        """The request's images and audio, in the order of their ``CHAT_MARKER``s in the prompt."""
+        return self._media
 
     def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)
@@ -159,7 +192,7 @@ class ChatCompletionRequest(GenerationRequest):
         prompt, params, plan = chat_prompt(engine.tokenizer, self, engine.n_ctx_slot, engine.slot_limit)
         thinking = ReasoningPlan.make(self.reasoning_format, engine.tokenizer.template.source or "", prompt)
         r = engine.make_request(prompt, params, request_id, cache_prompt=self.cache_prompt, n=self.n,
-                                id_slot=self.id_slot)
+                                id_slot=self.id_slot, media=self.media, marker=CHAT_MARKER)
         tools = ToolSettings(tuple(plan.names), plan.parallel) if plan.active else None
         return Prepared(r, tools=tools, reasoning=thinking)
 

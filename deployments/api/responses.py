@@ -20,17 +20,26 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 SKIPPED_ITEMS = ("reasoning",)  # an earlier turn's reasoning summary: not part of the prompt here
 
 
-def _text(content: Any, where: str) -> str:
-    """The text of a content list (text parts only) or a string."""
+def _text(content: Any, where: str, images: bool = False) -> Any:
+    """The text of a content list (text parts) or a string; with ``images``, a list of chat
+    content parts when the content holds ``input_image`` parts (a data URL each)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise ValueError(f"{where}: the content must be a string or a list of text parts")
-    parts = []
+    parts: list[Any] = []
     for j, part in enumerate(content):
+        if images and isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise ValueError(f"{where}[{j}]: an input_image needs image_url (a data URL; file ids are not kept here)")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+            continue
         if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise ValueError(f"{where}[{j}]: only text content parts (objects) are supported")
+            raise ValueError(f"{where}[{j}]: content parts are text{' or input_image' if images else ''} (objects)")
         parts.append(part["text"])
+    if any(not isinstance(p, str) for p in parts):
+        return [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
     return "".join(parts)
 
 
@@ -95,7 +104,8 @@ class ResponsesRequest(ApiModel):
         for i, item in enumerate(self.input):
             kind = item.get("type", "message")
             if kind == "message" and "role" in item:
-                msgs.append({"role": item["role"], "content": _text(item.get("content") or "", f"input[{i}].content")})
+                msgs.append({"role": item["role"], "content": _text(item.get("content") or "", f"input[{i}].content",
+                                                                    images=item["role"] == "user")})
             elif kind == "function_call":
                 call = {"id": str(item.get("call_id") or item.get("id") or f"call_{i}"), "type": "function",
                         "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}

@@ -55,6 +55,7 @@ class ResumeSpec:
     n_predict: int
     cache_prompt: bool
     id_slot: int
+    media: tuple[bytes, ...] = ()  # re-sent with the continuation: its images, not an error
 
     @classmethod
     def of(cls, er: EngineRequest, res: Submitted) -> ResumeSpec:
@@ -65,7 +66,7 @@ class ResumeSpec:
         if res.seed is not None and p.seed is None:
             p = p.model_copy(update={"seed": res.seed})
         params = [p] + [p.model_copy(update={"seed": (p.seed + i) % SEED_SPACE}) for i in range(1, er.n)]
-        return cls(er.prompt, tuple(params), res.n_predict, er.cache_prompt, er.id_slot)
+        return cls(er.prompt, tuple(params), res.n_predict, er.cache_prompt, er.id_slot, er.media)
 
     @property
     def n_prompt(self) -> int:
@@ -81,4 +82,5 @@ class ResumeSpec:
         if params.seed is not None:
             update["seed"] = (params.seed + len(generated)) % SEED_SPACE
         return EngineRequest(request_id, self.prompt + array("i", generated).tobytes(), params.model_copy(update=update),
-                             id_slot=self.id_slot, cache_prompt=self.cache_prompt, n_resumed=len(generated))
+                             id_slot=self.id_slot, cache_prompt=self.cache_prompt, n_resumed=len(generated),
+                             media=self.media)
