@@ -355,9 +355,12 @@ class Engine:
 
     def generate_n(self, prompt: str | list[int], params: SamplingParams, n: int) -> list[Completion]:
         """``n`` choices of one prompt, evaluated once (see ``Request.followers``)."""
+        return self.complete_n(self.make_request(prompt, params, n=n))
+
+    def complete_n(self, r: Request) -> list[Completion]:
+        """Every choice of a request made already with ``n`` > 1."""
         if self.outputs is None:
             raise RuntimeError("generate_n() needs the engine's own output queues (sink=None)")
-        r = self.make_request(prompt, params, n=n)
         qs = [self.outputs.register(m.id) for m in r.family]
         try:
             self.submit(r)

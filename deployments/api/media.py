@@ -10,7 +10,8 @@ Each API's parts come here as bytes (``from_data_url``: OpenAI's ``image_url`` a
   that disagrees is a 400. Images: PNG, JPEG, GIF, BMP (what the engine's decoder reads).
   Audio: WAV, MP3, FLAC;
 - an image's width and height are read from its header, and an image over ``MAX_PIXELS`` (a
-  decompression bomb: a few KB that decode to gigabytes) is refused before any pixel is.
+  decompression bomb: a few KB that decode to gigabytes) is refused before any pixel is; a
+  file without its format's end marker (cut short) is refused too.
 
 Remote URLs are not fetched (the ingress reaches no address a client names). Every refusal is a
 ``ValueError``, which the routes answer as a 400 in the endpoint's own shape."""
@@ -165,7 +166,15 @@ def _jpeg_dimensions(data: bytes) -> tuple[int, int] | None:
     return None
 
 
+_ENDS = {"png": b"IEND\xaeB`\x82", "jpeg": b"\xff\xd9", "gif": b";"}
+
+
 def check_size(data: bytes, fmt: str, where: str) -> None:
+    """The image is whole (its format's end marker: a cut file is refused here, not half
+    decoded) and within the pixel bounds by its header."""
+    end = _ENDS.get(fmt)
+    if end is not None and end not in data[-1024:]:
+        raise ValueError(f"{where}: the {fmt.upper()} file is cut short (no end marker)")
     dims = dimensions(data, fmt)
     if dims is None:
         raise ValueError(f"{where}: the {fmt.upper()} header does not give the image's size (truncated or damaged)")

@@ -463,13 +463,19 @@ ENDPOINTS = (CHAT, COMPLETION, EMBEDDINGS)
 
 async def models(ing: Any, request: Request) -> Response:
     """The served model under each of its names (any other name serves it too), with
-    llama-server's ``meta``."""
+    llama-server's ``meta`` and ``capabilities`` ("multimodal" with a projector), and what it
+    takes beside text (``modalities``)."""
     try:
-        meta = (await asyncio.wait_for(ing.engine.info.remote(), timeout=10.0)).get("meta")
+        info = await asyncio.wait_for(ing.engine.info.remote(), timeout=10.0)
     except Exception:  # the engine is restarting: the list without meta
-        meta = None
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "pipeline-groups",
-             **({"meta": meta} if meta else {})} for name in ing.model_names]
+        info = {}
+    meta, modalities = info.get("meta"), info.get("modalities") or {}
+    extra: dict[str, Any] = {"meta": meta} if meta else {}
+    if info:
+        extra["capabilities"] = ["completion", "multimodal"] if any(modalities.values()) else ["completion"]
+        extra["modalities"] = ["text", *(k for k in ("vision", "audio") if modalities.get(k))]
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "pipeline-groups", **extra}
+            for name in ing.model_names]
     return JSONResponse({"object": "list", "data": data})
 
 

@@ -5,7 +5,8 @@
 
 const state = {
   key: null,            // the API key, in this page's memory only
-  conversations: [],    // {id, title, messages: [{role, content, reasoning, stats, error}], controller}
+  conversations: [],    // {id, title, messages: [{role, content, images, reasoning, stats, error}], controller}
+  attached: [],         // data URLs of the images the next message carries (vision models only)
   current: null,
   nextId: 1,
   pollTimer: null,
@@ -115,6 +116,7 @@ function renderList() {
 function renderMessage(m) {
   const box = el("div", { class: "msg " + m.role, testid: "msg-" + m.role });
   box.append(el("div", { class: "role" }, m.role));
+  for (const url of m.images || []) box.append(el("img", { class: "thumb", src: url, alt: "image", testid: "msg-image" }));
   if (m.reasoning) box.append(el("div", { class: "reasoning", testid: "reasoning" }, m.reasoning));
   const content = el("div", { class: "content", testid: "content" });
   renderMarkdown(content, m.content || "");
@@ -156,7 +158,12 @@ function statsOf(timings, usage) {
 
 async function complete(c) {
   const system = $("set-system").value.trim();
-  const history = c.messages.filter((m) => !m.error || m.content).map((m) => ({ role: m.role, content: m.content }));
+  const history = c.messages.filter((m) => !m.error || m.content).map((m) => ({
+    role: m.role,
+    content: m.images && m.images.length
+      ? [...m.images.map((url) => ({ type: "image_url", image_url: { url } })), { type: "text", text: m.content }]
+      : m.content,
+  }));
   const body = { model: "default", stream: true, stream_options: { include_usage: true }, ...settings(),
                  messages: system ? [{ role: "system", content: system }, ...history] : history };
   const answer = { role: "assistant", content: "", reasoning: "", stats: "" };
@@ -212,9 +219,31 @@ $("composer").addEventListener("submit", (ev) => {
   const c = state.current || newConversation();
   if (c.controller) return;
   if (!c.messages.length) c.title = text.slice(0, 40);
-  c.messages.push({ role: "user", content: text });
+  c.messages.push({ role: "user", content: text, images: state.attached });
+  state.attached = [];
+  renderAttached();
   $("prompt").value = "";
   complete(c);
+});
+
+// ---- images: read in the page as data URLs, sent inline with the next message ---------------------
+
+function renderAttached() {
+  $("attached").replaceChildren(...state.attached.map((url) => el("img", { src: url, alt: "attached image" })));
+}
+
+$("attach-input").addEventListener("change", async (ev) => {
+  for (const f of ev.target.files) {
+    const url = await new Promise((resolve, reject) => {
+      const fr = new FileReader();
+      fr.onload = () => resolve(fr.result);
+      fr.onerror = () => reject(fr.error);
+      fr.readAsDataURL(f);
+    });
+    state.attached.push(url);
+  }
+  ev.target.value = "";
+  renderAttached();
 });
 
 $("prompt").addEventListener("keydown", (ev) => {
@@ -299,7 +328,12 @@ $("tab-pipeline").addEventListener("click", () => show("pipeline"));
 (async function start() {
   try {
     const r = await call("/v1/models", {});
-    if (r.ok) $("model").textContent = (await r.json()).data[0].id;
+    if (r.ok) {
+      const m = (await r.json()).data[0];
+      $("model").textContent = m.id;
+      // the attach button where the model takes images (a projector is served)
+      if ((m.modalities || []).includes("vision")) $("attach").classList.remove("hidden");
+    }
   } catch (e) { /* shown when a chat fails */ }
   if (location.hash === "#pipeline") show("pipeline");
   render();

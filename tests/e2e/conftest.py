@@ -28,7 +28,7 @@ DEPLOY_ORDER = [
     ("test_topology.py",),
 ]
 SHARED_APP = ("test_edges_http.py", "test_guard_http.py", "test_heads_http.py", "test_hostile_http.py",
-              "test_http_api.py", "test_metrics.py", "test_page.py", "test_readme.py", "test_sdks.py")
+              "test_http_api.py", "test_images_http.py", "test_metrics.py", "test_page.py", "test_readme.py", "test_sdks.py")
 
 
 def deploy_rank(item: pytest.Item) -> int:

@@ -9,6 +9,8 @@ import httpx
 import openai
 import pytest
 
+from engine.models import SYNTHETIC_MMPROJ
+
 APP = {
     "n_ctx": 2048,
     "n_parallel": 4,
@@ -17,6 +19,7 @@ APP = {
     "max_queued_requests": 64,
     "rpc": {"port": 50152, "threads": 1},
     "cors_origins": ["http://localhost:5173"],  # a listed web page (tests/e2e/test_guard_http.py)
+    "mmproj": str(SYNTHETIC_MMPROJ),  # images (tests/e2e/test_images_http.py)
 }
 
 
