@@ -38,7 +38,7 @@ FLAGS_ID := $(shell echo '$(WHEEL_CMAKE_FLAGS)' | md5sum | cut -c1-8)
 WHEEL_DIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)-$(FLAGS_ID)
 STAMP := $(VENV)/.installed-$(LLAMA_VARIANT)-$(FLAGS_ID)
 
-.PHONY: install wheel model model-synthetic browser serve test test-fast test-cluster lint docs bench bench-spec bench-prefix bench-long bench-chat bench-host bench-bodies bench-faults bench-scale llama-server cluster-up cluster-down clean
+.PHONY: install wheel model model-synthetic browser serve test test-fast test-cluster lint docs bench bench-spec bench-prefix bench-long bench-chat bench-host bench-bodies bench-faults bench-scale bench-images llama-server cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -132,6 +132,10 @@ bench-prefix: install model-synthetic llama-server
 	LLAMA_SERVER_BIN=$(LLAMA_SERVER_DIR) $(PY) -m bench.prefix $(BENCH_ARGS)
 
 # A long prompt beside 8 decoding streams: their token gaps during its prefill (bench/long_prompt.py)
+# Image requests beside text streams, against llama-server --mmproj on the same split (bench/images.py, ~3 minutes)
+bench-images: install model-synthetic llama-server
+	LLAMA_SERVER_BIN=$(LLAMA_SERVER_DIR) $(PY) -m bench.images $(BENCH_ARGS)
+
 bench-long: install model llama-server
 	LLAMA_SERVER_BIN=$(LLAMA_SERVER_DIR) $(PY) -m bench.long_prompt $(BENCH_ARGS)
 

@@ -43,8 +43,9 @@ class LlamaServer:
     def __init__(self, model: Path, *, n_layer: int, n_peer: int, output_local: bool, slots: int, n_ctx: int,
                  port: int, rpc_port: int, peer_cpus: list[int] | None = None,
                  local_cpus: list[int] | None = None, flash_attn: str = "auto", threads: int = 1,
-                 cache_ram_mib: int = 0) -> None:
-        """``cache_ram_mib``: llama-server's ``--cache-ram`` (its prompt cache in host RAM; 0 off)."""
+                 cache_ram_mib: int = 0, extra: list[str] = (), env: dict[str, str] | None = None) -> None:
+        """``cache_ram_mib``: llama-server's ``--cache-ram`` (its prompt cache in host RAM; 0 off);
+        ``extra``: more of its arguments (``--mmproj``), ``env`` more of its environment."""
         b = bin_dir()
         self.rpc = subprocess.Popen(
             [*_taskset(peer_cpus), str(b / "rpc-server"), "--host", "127.0.0.1", "--port", str(rpc_port), "-t", str(threads)],
@@ -53,8 +54,9 @@ class LlamaServer:
         split = split_args(n_layer, n_peer, output_local)
         self.cmd = [*_taskset(local_cpus), str(b / "llama-server"), "-m", str(model), "--rpc", f"127.0.0.1:{rpc_port}",
                     *split, "-np", str(slots), "-c", str(n_ctx), "-t", str(threads), "--cache-ram", str(cache_ram_mib),
-                    "--host", "127.0.0.1", "--port", str(port), "--no-webui", "--metrics", "-fa", flash_attn]
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    "--host", "127.0.0.1", "--port", str(port), "--no-webui", "--metrics", "-fa", flash_attn, *extra]
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, **(env or {})})
         self.base = f"http://127.0.0.1:{port}"
 
         def healthy() -> bool:
