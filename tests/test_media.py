@@ -206,3 +206,24 @@ def test_every_api_carries_its_images_in_prompt_order():
     with pytest.raises(ValidationError, match="URLs are not fetched"):
         MessagesRequest.model_validate({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]})
+
+
+def test_a_resumed_image_request_sends_its_images_again_and_goes_on_as_before(vision):
+    from deployments.api.values import ResumeSpec
+
+    e = vision(pipeline_groups=2)
+    img = png(40, 30, 1)
+    er = PromptMaker.of_engine(e).make_request(chat(), GREEDY, "r0", media=(img,), marker=MEDIA_MARKER)
+    outs = list(e.stream_request(e.accept(er)))
+    tokens = [t for o in outs for t in o.tokens]
+    whole = "".join(o.text for o in outs)
+    spec = ResumeSpec(er.prompt, (er.params,), GREEDY.max_tokens, True, -1, er.media)
+    cont = spec.continuation(0, tokens[:4], "r0x")  # a replica was lost after four tokens
+    assert cont.media == (img,) and cont.n_resumed == 4
+    rest = e.complete(e.accept(cont))
+    head, n = "", 0
+    for o in outs:  # what the client had from the lost replica
+        if n >= 4:
+            break
+        head, n = head + o.text, n + len(o.tokens)
+    assert head + rest.text == whole

@@ -349,6 +349,7 @@ def llama_props(tok: Any, report: dict) -> dict:
         "model_alias": report["model_name"],
         "model_path": config.model,
         "modalities": report.get("modalities") or {"vision": False, "audio": False, "video": False},
+        "media_marker": media.MEDIA_MARKER,  # where /completion's multimodal_data go in its prompt
         "endpoint_slots": True, "endpoint_props": True, "endpoint_metrics": True,
         "chat_template": tok.template.source,
         "chat_template_caps": {

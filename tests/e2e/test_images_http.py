@@ -43,7 +43,9 @@ def test_the_model_says_it_takes_images(base, client):
     m = client.models.list().data[0]
     assert m.model_extra["capabilities"] == ["completion", "multimodal"]
     assert m.model_extra["modalities"] == ["text", "vision"]
-    assert httpx.get(base + "/props", timeout=30).json()["modalities"] == {"vision": True, "audio": False, "video": False}
+    props = httpx.get(base + "/props", timeout=30).json()
+    assert props["modalities"] == {"vision": True, "audio": False, "video": False}
+    assert props["media_marker"] == MEDIA_MARKER
 
 
 def test_an_image_chat_through_every_api_answers_the_same(base, client):
