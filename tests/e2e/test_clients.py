@@ -195,7 +195,8 @@ def test_llama_cpps_web_ui_syncs_its_settings_and_sizes_its_context(base):
     assert isinstance(params["samplers"], list) and all(isinstance(s, str) for s in params["samplers"])
     assert props["default_generation_settings"]["n_ctx"] == httpx.get(base + "/slots", timeout=30).json()[0]["n_ctx"]
     assert props["default_generation_settings"]["n_ctx"] != 4096 and isinstance(props["build_info"], str)
-    assert props["modalities"] == {"vision": False, "audio": False, "video": False} and props["total_slots"] > 0
+    # the app serves the synthetic projector: the web UI offers image attachments by this
+    assert props["modalities"] == {"vision": True, "audio": False, "video": False} and props["total_slots"] > 0
 
 
 def test_props_params_sent_back_are_served(base):
@@ -342,7 +343,8 @@ def demo(deploy) -> str:
 
     if not CHAT_MODEL.exists():
         pytest.fail(f"{CHAT_MODEL} is missing: run `make model`")
-    return deploy({**APP, "model": str(CHAT_MODEL), "n_ctx": 8192, "n_parallel": 2})
+    # no projector: the synthetic one is the synthetic model's width, not this model's
+    return deploy({**APP, "model": str(CHAT_MODEL), "n_ctx": 8192, "n_parallel": 2, "mmproj": None})
 
 
 def test_smolagents_structured_code_step_is_whole_json(demo):
