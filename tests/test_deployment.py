@@ -198,12 +198,8 @@ def test_llama_servers_utility_endpoints(model_path):
     from concurrent.futures import ThreadPoolExecutor
 
     from deployments.api.base import ApiError, read_request
-    from deployments.api.llama import (
-        ApplyTemplateRequest,
-        DetokenizeRequest,
-        TokenizeRequest,
-        llama_props,
-    )
+    from deployments.api.llama import ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest
+    from deployments.api.server_info import llama_props
     from deployments.client import EngineClient
     from deployments.resume import ResumeSettings
 
@@ -269,7 +265,8 @@ def test_props_params_sent_back_are_served_with_their_meaning(model_path):
     seed 4294967295 random, n_probs 0 no probabilities, the default chain named in full), and
     the request served."""
     from deployments.api.base import ApiError, read_request
-    from deployments.api.llama import LlamaCompletionRequest, llama_props
+    from deployments.api.llama import LlamaCompletionRequest
+    from deployments.api.server_info import llama_props
     from deployments.api.openai import ChatCompletionRequest
     from engine.params import SamplingParams
 

@@ -8,18 +8,14 @@ A request with ``n`` choices has outputs for request ids ``<id>`` (choice 0) and
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any, Literal
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
-from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from deployments.api import media
 from deployments.api.base import (
     MAX_PROMPT_CHARS,
     Answer,
-    Bounded,
     Generate,
     by_choice,
     dumps,
@@ -28,12 +24,13 @@ from deployments.api.base import (
     sse,
     usage,
 )
+from deployments.api.chat_content import ChatMessage, template_messages
 from deployments.api.embeddings import EMBEDDINGS
 from deployments.api.generation import GenerationRequest, prompt_progress, timings
-from deployments.api.media import CHAT_MARKER, MEDIA_PARTS, MediaBag
+from deployments.api.media import CHAT_MARKER, MediaBag
 from deployments.api.values import Prepared, ToolSettings
 from engine.reasoning import ReasoningPlan, ReasoningSplitter, split_reasoning
-from engine.tools import ToolPlan, check_tools, chosen, template_message, tool_finish
+from engine.tools import ToolPlan, check_tools, chosen, tool_finish
 from engine.types import Output
 
 if TYPE_CHECKING:
@@ -85,54 +82,6 @@ class CompletionRequest(GenerationRequest):
         if self.echo:  # after make_request: token ids are checked there (400), not decoded blind
             echo = prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)
         return Prepared(r, echo=echo)
-
-
-class ChatMessage(Bounded):
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        """The content as the template takes it: an image or audio part is ``CHAT_MARKER``."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for p in self.content:
-            kind = p.get("type")
-            if kind == "text" and isinstance(p.get("text"), str):
-                parts.append(p["text"])
-            elif kind in MEDIA_PARTS:
-                parts.append(CHAT_MARKER)
-            else:
-                raise ValueError("content parts are text, image_url or input_audio")
-        return "".join(parts)
-
-    def add_media(self, bag: MediaBag, where: str) -> None:
-        """This message's images and audio, in order, into ``bag`` (checked: deployments/api/media.py)."""
-        if not isinstance(self.content, list):
-            return
-        for j, p in enumerate(self.content):
-            at = f"{where}.content[{j}]"
-            if p.get("type") == "image_url":
-                img = p.get("image_url")
-                bag.add(media.from_data_url(img.get("url") if isinstance(img, dict) else img, at + ".image_url"), at)
-            elif p.get("type") == "input_audio":
-                a = p.get("input_audio")
-                if not isinstance(a, dict):
-                    raise ValueError(f"{at}.input_audio must be {{data, format}}")
-                bag.add(media.from_base64(a.get("data"), at + ".input_audio", "audio", a.get("format")), at)
-
-
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them (with their tool calls and results)."""
-    return [template_message({"role": m.role, "content": m.text(), "tool_calls": m.tool_calls,
-                              "tool_call_id": m.tool_call_id, "name": m.name}) for m in messages]
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -461,22 +410,4 @@ COMPLETION = Generate(("/v1/completions", "/completions"), CompletionRequest, "c
 ENDPOINTS = (CHAT, COMPLETION, EMBEDDINGS)
 
 
-async def models(ing: Any, request: Request) -> Response:
-    """The served model under each of its names (any other name serves it too), with
-    llama-server's ``meta`` and ``capabilities`` ("multimodal" with a projector), and what it
-    takes beside text (``modalities``)."""
-    try:
-        info = await asyncio.wait_for(ing.engine.info.remote(), timeout=10.0)
-    except Exception:  # the engine is restarting: the list without meta
-        info = {}
-    meta, modalities = info.get("meta"), info.get("modalities") or {}
-    extra: dict[str, Any] = {"meta": meta} if meta else {}
-    if info:
-        extra["capabilities"] = ["completion", "multimodal"] if any(modalities.values()) else ["completion"]
-        extra["modalities"] = ["text", *(k for k in ("vision", "audio") if modalities.get(k))]
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "pipeline-groups", **extra}
-            for name in ing.model_names]
-    return JSONResponse({"object": "list", "data": data})
-
-
-ROUTES = (("GET", ("/v1/models", "/models"), models),)
+ROUTES = ()  # /v1/models: deployments/api/server_info.py
