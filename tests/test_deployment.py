@@ -266,8 +266,8 @@ def test_props_params_sent_back_are_served_with_their_meaning(model_path):
     the request served."""
     from deployments.api.base import ApiError, read_request
     from deployments.api.llama import LlamaCompletionRequest
-    from deployments.api.server_info import llama_props
     from deployments.api.openai import ChatCompletionRequest
+    from deployments.api.server_info import llama_props
     from engine.params import SamplingParams
 
     routes = ((LlamaCompletionRequest, {"prompt": "hi"}),
