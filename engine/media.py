@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -118,6 +119,8 @@ class Projector:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[int, int], list[tuple[list[int], np.ndarray | None, bool]]] = OrderedDict()
         self._cache_bytes, self._held = cache_bytes, 0
+        # counters for /metrics (read without the lock: each a number written by one thread at a time)
+        self.stats = {"encoded": 0, "encode_seconds": 0.0, "rows": 0, "cache_hits": 0}
         self._marker = m.mtmd_default_marker()
 
     @property
@@ -160,8 +163,13 @@ class Projector:
             got = self._cache.get(key)
             if got is not None:
                 self._cache.move_to_end(key)
+                self.stats["cache_hits"] += 1
                 return got
+            t0 = time.perf_counter()
             pieces = self._encode(data, h)
+            self.stats["encoded"] += 1
+            self.stats["encode_seconds"] += time.perf_counter() - t0
+            self.stats["rows"] += sum(len(ids) for ids, e, _ in pieces if e is not None)
             size = sum(e.nbytes for _, e, _ in pieces if e is not None)
             self._cache[key] = pieces
             self._held += size

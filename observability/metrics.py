@@ -64,6 +64,8 @@ class EngineMetrics:
         self.released_bytes = Gauge(P + "model_pages_released_bytes", "Bytes of the GGUF's pages dropped from the local node after the load: the layers held by the peer or a GPU.", base, registry=r)
         self._groups = _GroupCollector(model, replica)
         r.register(self._groups)
+        self._media = _MediaCollector(model, replica)
+        r.register(self._media)
         r.register(_LlamaServerNames(self))
         self._t0 = time.monotonic()
         b = self._b = {"model": model, "replica": replica}
@@ -121,6 +123,10 @@ class EngineMetrics:
         """The application's shape (deployments/topology.py): 1 on its label."""
         self.topology.labels(**self._b, topology=topology).set(1)
 
+    def set_media(self, stats: dict | None) -> None:
+        """The projector's counters (None: no projector, no media series)."""
+        self._media.stats = stats
+
     def set_stage_up(self, up: bool) -> None:
         self.stage_up.labels(**self._b).set(1 if up else 0)
 
@@ -129,6 +135,8 @@ class EngineMetrics:
         b = self._b
         self.running.labels(**b).set(running)
         self.waiting.labels(**b).set(waiting)
+        projector = getattr(engine, "projector", None)
+        self.set_media(dict(projector.stats) if projector is not None else None)
         sched = engine.scheduler
         self._groups.update(engine.profiles(), engine.slot_views(), time.monotonic() - self._t0,
                             (sched.n_elsewhere, sched.n_elsewhere_tokens), engine.kv_bytes_per_token())
@@ -202,6 +210,33 @@ PROMPT_CACHE_SERIES = (
     (CounterMetricFamily, "prompt_cache_evictions", "cache_evictions",
      "Prompt cache entries overwritten (least recently used) while holding a conversation of their own."),
 )
+
+
+MEDIA_SERIES = (  # the projector's counters (engine/media.py Projector.stats): name, key, help
+    ("media_encoded", "encoded", "Images (and audio clips) the projector encoded."),
+    ("media_encode_seconds", "encode_seconds", "Seconds the projector spent decoding and encoding media."),
+    ("media_rows", "rows", "Embedding rows (prompt positions) the projector made."),
+    ("media_cache_hits", "cache_hits", "Media whose embeddings were kept from an earlier request (not encoded again)."),
+)
+
+
+class _MediaCollector:
+    """The projector's counters, where the model is served with one (absent otherwise)."""
+
+    def __init__(self, model: str, replica: str) -> None:
+        self.model, self.replica = model, replica
+        self.stats: dict | None = None
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        if self.stats is None:
+            return
+        for name, key, doc in MEDIA_SERIES:
+            fam = CounterMetricFamily(P + name, doc, labels=["model", "replica"])
+            fam.add_metric([self.model, self.replica], float(self.stats.get(key, 0)))
+            yield fam
 
 
 class _GroupCollector:

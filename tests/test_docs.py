@@ -43,6 +43,7 @@ def exported_names() -> set[str]:
     """Every series name the service exports: the engine's registry as the exposition names
     them (a counter gets ``_total``), and the ingress's own series."""
     m = EngineMetrics("m")
+    m.set_media({})  # the projector's series, exported when the model has one
     text = m.render().decode()
     names = set(re.findall(r"^# TYPE (\S+) \w+$", text, re.M))
     counters = set(re.findall(r"^# TYPE (\S+) counter$", text, re.M))

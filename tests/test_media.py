@@ -75,11 +75,18 @@ def test_an_image_is_its_rows_and_changes_the_answer(vision):
 
 
 def test_the_same_image_next_turn_reuses_its_kv_and_answers_the_same(vision):
+    from observability.metrics import EngineMetrics
+
     e = vision(pipeline_groups=2)
     img = png(64, 48, 3)
     first = answer(e, (img,), rid="a")
     again = answer(e, (img,), rid="b")
     assert again.text == first.text
+    assert (e.projector.stats["encoded"], e.projector.stats["cache_hits"]) == (1, 1)  # its embeddings were kept
+    m = EngineMetrics("m")
+    m.collect_engine(e, 0, 0)
+    text = m.render().decode()
+    assert "pgroups_media_encoded_total{" in text and f"pgroups_media_rows_total{{model=\"m\",replica=\"0\"}} {N_ROWS}.0" in text
     assert again.final.cached_tokens == again.final.prompt_tokens - 1  # the image's rows among them
     other = answer(e, (png(64, 48, 4),), rid="c")
     # the prompt before the image is shared; the other image is evaluated whole
