@@ -10,6 +10,9 @@ groups, direct ingress), llama-server with rpc-server built from the same llama.
 - ``equal``: every image prompt alone, greedy, through the chat API: how many answers equal
   llama-server's (the same request one at a time);
 - ``alone``: an image request's time to its first token with nothing else running (median);
+- ``big``: six of the largest images this server admits (8192 x 4096 PNGs of one colour, 106 KB
+  each) at once, and meanwhile a short text chat every 0.1 s: the images' answers (the last one's
+  seconds) and the text chats' latency beside them against alone (median);
 - ``mixed``: 2 text streams decode (``/completion``, end of generation ignored); after
   ``--steady`` seconds an image request arrives every ``--every`` seconds, each a new image,
   ``--images`` of them: their first token (median, longest) and the streams' gaps between tokens
@@ -89,10 +92,50 @@ def gaps_ms(arrivals: list[list[float]], t0: float, t1: float) -> list[float]:
     return [1000 * (b - a) for ts in arrivals for a, b in zip(ts, ts[1:], strict=False) if t0 <= a and b <= t1]
 
 
+def solid_png(w: int, h: int, rgb: tuple[int, int, int]) -> bytes:
+    """A PNG of one colour (compressed to a few hundred bytes a megapixel), streamed through zlib."""
+    import struct
+    import zlib
+
+    comp, row = zlib.compressobj(9), b"\x00" + bytes(rgb) * w
+    raw = b"".join(comp.compress(row) for _ in range(h)) + comp.flush()
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", raw) + chunk(b"IEND", b""))
+
+
+def text_chat(client: httpx.Client) -> float:
+    t0 = time.perf_counter()
+    r = client.post("/v1/chat/completions", json={"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]})
+    r.raise_for_status()
+    return time.perf_counter() - t0
+
+
+def big_cell(client: httpx.Client) -> dict:
+    alone = statistics.median(text_chat(client) for _ in range(5))
+    bigs = [solid_png(8192, 4096, (k * 40, 60, 90)) for k in range(6)]
+    with ThreadPoolExecutor(6) as ex:
+        t0 = time.perf_counter()
+        futs = [ex.submit(answer, client, img) for img in bigs]
+        beside = []
+        while not all(f.done() for f in futs):
+            beside.append(text_chat(client))
+            time.sleep(0.1)
+        for f in futs:
+            f.result()
+        last = time.perf_counter() - t0
+    return {"big_images_last_s": round(last, 2), "text_alone_median_s": round(alone, 4),
+            "text_beside_big_median_s": round(statistics.median(beside), 4) if beside else 0.0}
+
+
 def run_arm(base: str, images: list[bytes], a: argparse.Namespace) -> dict:
     client = httpx.Client(base_url=base, timeout=600, limits=httpx.Limits(max_connections=32))
     texts = [answer(client, img) for img in images[:4]]
     alone = statistics.median(first_token(client, img) for img in images[4:8])
+    big = big_cell(client)
     stop = threading.Event()
     arrivals: list[list[float]] = [[] for _ in range(N_STREAMS)]
     with ThreadPoolExecutor(N_STREAMS + a.images) as ex:
@@ -114,7 +157,7 @@ def run_arm(base: str, images: list[bytes], a: argparse.Namespace) -> dict:
             "image_ttft_mixed_median_s": round(statistics.median(firsts), 4), "image_ttft_mixed_max_s": round(max(firsts), 4),
             "gap_steady_median_ms": round(statistics.median(steady), 2), "gap_steady_p99_ms": round(pct(steady, 0.99), 2),
             "gap_images_median_ms": round(statistics.median(busy), 2), "gap_images_p99_ms": round(pct(busy, 0.99), 2),
-            "gap_images_max_ms": round(max(busy), 2)}
+            "gap_images_max_ms": round(max(busy), 2), **big}
 
 
 def engine_arm(groups: int) -> Callable[[list[bytes], argparse.Namespace], dict]:
