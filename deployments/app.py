@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,13 @@ def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
                peer_cpus=a.rpc.cpus if a.rpc is not None else None)
     else:
         engine = _split_engine(a, topo)
-    ingress_opts: dict[str, Any] = {"num_cpus": 0}
+    # Serve asks the replica the pair router chose how many requests it holds before sending it one,
+    # and sends the request to the next replica when no answer comes within 0.1 s: on a loaded node a
+    # replica's answer can take longer, and a conversation would lose the pair that holds its prefix.
+    # The ingress's routers wait longer (doubling, to Serve's 1 s, for a replica that never answers).
+    probe_s = os.environ.get("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "0.5")
+    ingress_opts: dict[str, Any] = {"num_cpus": 0, "runtime_env": {
+        "env_vars": {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": probe_s}}}
     pairs_placed = not replicas and a.pairs and a.placement and _has_resource(PEER_RESOURCE)
     direct = http is not None and not http[2]  # no Serve proxy: the ingress serves HTTP itself
     if direct:
