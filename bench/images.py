@@ -40,7 +40,7 @@ import httpx
 
 from bench.run import ROOT
 from engine.models import SYNTHETIC_MMPROJ, ensure_synthetic_model
-from tests.images import png
+from tests.images import png, png_solid
 
 LS_PORT, LS_RPC, RPC_PORT = 50184, 50185, 50186
 SLOTS, N_CTX_SLOT, N_LAYER, N_PEER = 4, 2048, 4, 2
@@ -92,21 +92,6 @@ def gaps_ms(arrivals: list[list[float]], t0: float, t1: float) -> list[float]:
     return [1000 * (b - a) for ts in arrivals for a, b in zip(ts, ts[1:], strict=False) if t0 <= a and b <= t1]
 
 
-def solid_png(w: int, h: int, rgb: tuple[int, int, int]) -> bytes:
-    """A PNG of one colour (compressed to a few hundred bytes a megapixel), streamed through zlib."""
-    import struct
-    import zlib
-
-    comp, row = zlib.compressobj(9), b"\x00" + bytes(rgb) * w
-    raw = b"".join(comp.compress(row) for _ in range(h)) + comp.flush()
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", raw) + chunk(b"IEND", b""))
-
-
 def text_chat(client: httpx.Client) -> float:
     t0 = time.perf_counter()
     r = client.post("/v1/chat/completions", json={"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]})
@@ -116,7 +101,7 @@ def text_chat(client: httpx.Client) -> float:
 
 def big_cell(client: httpx.Client) -> dict:
     alone = statistics.median(text_chat(client) for _ in range(5))
-    bigs = [solid_png(8192, 4096, (k * 40, 60, 90)) for k in range(6)]
+    bigs = [png_solid(8192, 4096, (k * 40, 60, 90)) for k in range(6)]
     with ThreadPoolExecutor(6) as ex:
         t0 = time.perf_counter()
         futs = [ex.submit(answer, client, img) for img in bigs]

@@ -38,8 +38,14 @@ _SPAN = 2**31 - 3  # media ids are -2 .. -(2**31 - 2)
 _KEY = os.urandom(16)
 
 
-def media_hash(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, key=_KEY, digest_size=8).digest(), "little") % _SPAN
+def media_key(data: bytes) -> bytes:
+    """A medium's identity in this process: a keyed 128-bit hash of its bytes."""
+    return hashlib.blake2b(data, key=_KEY, digest_size=16).digest()
+
+
+def media_hash(data: bytes, key: bytes | None = None) -> int:
+    """Where a medium's ids start (from its ``media_key``, when known)."""
+    return int.from_bytes((key or media_key(data))[:8], "little") % _SPAN
 
 
 def media_ids(h: int, n: int) -> list[int]:
@@ -63,14 +69,6 @@ def media_boundary(tokens: list[int] | np.ndarray, n: int) -> int:
 
 def _next_row(t: int) -> int:
     return -2 - ((-2 - t + 1) % _SPAN)
-
-
-def media_run(tokens: list[int], i: int) -> int:
-    """How many rows of one medium start at ``tokens[i]`` (a media id)."""
-    j = i + 1
-    while j < len(tokens) and is_media(tokens[j]) and _next_row(tokens[j - 1]) == tokens[j]:
-        j += 1
-    return j - i
 
 
 @dataclass(frozen=True)
@@ -117,7 +115,7 @@ class Projector:
             self.close()
             raise ValueError(f"the projector {path} needs M-RoPE positions, which this engine does not place yet")
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple[int, int], list[tuple[list[int], np.ndarray | None, bool]]] = OrderedDict()
+        self._cache: OrderedDict[bytes, list[tuple[list[int], np.ndarray | None, bool]]] = OrderedDict()
         self._cache_bytes, self._held = cache_bytes, 0
         # counters for /metrics (read without the lock: each a number written by one thread at a time)
         self.stats = {"encoded": 0, "encode_seconds": 0.0, "rows": 0, "cache_hits": 0}
@@ -134,12 +132,11 @@ class Projector:
 
     def expand(self, tokens: list[int], media: tuple[bytes, ...]) -> tuple[list[int], list[MediaSpan]]:
         """``tokens`` with each ``MEDIA_SLOT`` replaced by its medium's positions, and the spans
-        of embedding rows; raises ``RequestError`` for a medium the projector cannot take."""
+        of embedding rows; raises ``RequestError`` for a medium the projector cannot take.
+        ``tokens`` are checked already: vocabulary ids, and ``MEDIA_SLOT``s."""
         slots = [i for i, t in enumerate(tokens) if t == MEDIA_SLOT]
         if len(slots) != len(media):
             raise RequestError(f"the prompt has {len(slots)} media places for {len(media)} media")
-        if any(t < MEDIA_SLOT for t in tokens):
-            raise RequestError("a prompt's token ids are never negative")
         out: list[int] = []
         spans: list[MediaSpan] = []
         last = 0
@@ -157,8 +154,7 @@ class Projector:
 
     def _pieces(self, data: bytes) -> list[tuple[list[int], np.ndarray | None, bool]]:
         """What one medium is in the prompt: text tokens (``None`` rows) and embedding rows."""
-        h = media_hash(data)
-        key = (h, len(data))
+        key = media_key(data)
         with self._lock:
             got = self._cache.get(key)
             if got is not None:
@@ -166,13 +162,13 @@ class Projector:
                 self.stats["cache_hits"] += 1
                 return got
             t0 = time.perf_counter()
-            pieces = self._encode(data, h)
+            pieces = self._encode(data, media_hash(data, key))
+            rows = [e for _, e, _ in pieces if e is not None]
             self.stats["encoded"] += 1
             self.stats["encode_seconds"] += time.perf_counter() - t0
-            self.stats["rows"] += sum(len(ids) for ids, e, _ in pieces if e is not None)
-            size = sum(e.nbytes for _, e, _ in pieces if e is not None)
+            self.stats["rows"] += sum(len(e) for e in rows)
             self._cache[key] = pieces
-            self._held += size
+            self._held += sum(e.nbytes for e in rows)
             while self._held > self._cache_bytes and len(self._cache) > 1:
                 _, old = self._cache.popitem(last=False)
                 self._held -= sum(e.nbytes for _, e, _ in old if e is not None)

@@ -188,8 +188,6 @@ def plan_step(active: list[Slot], drafts: dict[int, list[int]], capacity: int, n
     free = capacity - len(gen)
     for s in gen:
         draft = drafts.get(s.id, ())[:free]
-        if draft and min(draft) < 0:  # an n-gram of a prompt with media: never a medium's row as a token
-            draft = draft[: next(i for i, t in enumerate(draft) if t < 0)]
         free -= len(draft)
         entries.append(Entry(s, s.seq_id, len(s.cache_tokens), [s.last_token, *draft], True, list(draft)))
     first = free  # what a prompt claiming first may take

@@ -129,12 +129,7 @@ class Runner:
         for m in plan.media:
             self._decode_medium(m)
         if plan.entries:
-            self.decode_since = time.monotonic()
-            try:
-                self.ctx.decode(self.batch)
-            finally:
-                self.decode_since = 0.0
-                self.prefix.applied()
+            self._decode(self.batch)
         for e in plan.entries:
             self.prefix.extend(e.slot, e.tokens)
         if self.mtp is not None:
@@ -149,22 +144,27 @@ class Runner:
         b = self._media_batch
         if b is None:
             b = self._media_batch = Batch(self.batch.capacity, self.n_embd, embeddings_only=True)
+        if not span.causal:  # whole in one micro-batch (the engine checked n_ubatch)
+            self.ctx.set_causal(False)
+        try:
+            for i in range(0, span.n, b.capacity):  # a batch takes n_batch rows at most
+                b.clear()
+                b.add(ids[i : i + b.capacity], span.start + i, m.slot.seq_id, 0, embd=span.embd[i : i + b.capacity])
+                self._decode(b)
+        finally:
+            if not span.causal:
+                self.ctx.set_causal(True)
+        self.prefix.extend(m.slot, ids)
+
+    def _decode(self, batch: Batch) -> None:
+        """One ``llama_decode``, seen from outside while it runs (``decode_since``); the prefix
+        cache's queued copies are applied by it."""
         self.decode_since = time.monotonic()
         try:
-            if not span.causal:  # whole in one micro-batch (the engine checked n_ubatch)
-                self.ctx.set_causal(False)
-            try:
-                for i in range(0, span.n, b.capacity):  # a batch takes n_batch rows at most
-                    b.clear()
-                    b.add(ids[i : i + b.capacity], span.start + i, m.slot.seq_id, 0, embd=span.embd[i : i + b.capacity])
-                    self.ctx.decode(b)
-            finally:
-                if not span.causal:
-                    self.ctx.set_causal(True)
+            self.ctx.decode(batch)
         finally:
             self.decode_since = 0.0
             self.prefix.applied()
-        self.prefix.extend(m.slot, ids)
 
     # ---- a request starts ---------------------------------------------------------------------
 

@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 
 def ngram_draft(history: np.ndarray, n_min: int, n_max: int, limit: int) -> list[int]:
     """Up to ``limit`` tokens that followed the most recent earlier occurrence of the
-    history's last ``n`` tokens (``n`` from ``n_max`` down to ``n_min``)."""
+    history's last ``n`` tokens (``n`` from ``n_max`` down to ``n_min``), up to the first row of
+    a medium (a negative id, engine/media.py), which is never a token."""
     h = history
     L = len(h)
     for n in range(min(n_max, L - 1), n_min - 1, -1):
@@ -47,7 +48,9 @@ def ngram_draft(history: np.ndarray, n_min: int, n_max: int, limit: int) -> list
         hits = np.flatnonzero((win == h[L - n :]).all(axis=1))
         if len(hits):
             i = int(hits[-1]) + n
-            return h[i : i + limit].tolist()
+            cont = h[i : i + limit]
+            rows = np.flatnonzero(cont < 0)
+            return (cont[: rows[0]] if len(rows) else cont).tolist()
     return []
 
 

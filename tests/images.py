@@ -22,6 +22,14 @@ def png(w: int, h: int, seed: int = 0) -> bytes:
             + _chunk(b"IDAT", zlib.compress(raw)) + _chunk(b"IEND", b""))
 
 
+def png_solid(w: int, h: int, rgb: tuple[int, int, int]) -> bytes:
+    """A whole PNG of one colour (a few hundred bytes a megapixel), compressed row by row."""
+    comp, row = zlib.compressobj(9), b"\x00" + bytes(rgb) * w
+    raw = b"".join(comp.compress(row) for _ in range(h)) + comp.flush()
+    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + _chunk(b"IDAT", raw) + _chunk(b"IEND", b""))
+
+
 def png_bomb(w: int, h: int) -> bytes:
     """A PNG whose header claims ``w`` x ``h`` with a few rows of zeros (a few KB that would
     decode to w * h * 3 bytes)."""

@@ -17,7 +17,7 @@ from deployments.api.responses import ResponsesRequest
 from deployments.prompts import PromptMaker
 from engine import SamplingParams
 from engine.errors import RequestError
-from engine.media import MEDIA_SLOT, media_boundary, media_hash, media_ids, media_run
+from engine.media import MEDIA_SLOT, media_boundary, media_hash, media_ids
 from engine.models import SYNTHETIC_MMPROJ
 from engine.synthetic_projector import ProjectorShape
 from tests.images import data_url, gif_frames, jpeg_cut, png, png_bomb, png_garbage, webp
@@ -54,7 +54,7 @@ def test_media_ids_are_a_run_per_image_and_a_reuse_never_cuts_one():
     ids = media_ids(h, 16)
     assert all(t < MEDIA_SLOT for t in ids) and len(set(ids)) == 16
     prompt = [1, 2, 3, *ids, 7, 8]
-    assert media_run(prompt, 3) == 16
+    assert media_boundary(prompt, 3 + 15) == 3  # its last row is still inside it
     assert media_boundary(prompt, 3) == 3  # before the image: kept
     assert media_boundary(prompt, 10) == 3  # inside it: back to its start
     assert media_boundary(prompt, 19) == 19  # after it: kept

@@ -56,8 +56,7 @@ class LlamaCompletionRequest(CompletionRequest):
                 raise ValueError("prompt.multimodal_data must be a list of base64 strings")
             for i, b64 in enumerate(items):
                 where = f"prompt.multimodal_data[{i}]"
-                kind = "audio" if media.sniff_b64(b64) in media.AUDIO_TYPES else "image"
-                bag.add(media.from_base64(b64, where, kind), where)
+                bag.add(media.from_base64(b64, where, kind=None), where)  # image or audio, by its bytes
             data = {**data, "prompt": p.get("prompt_string", "")}
         req = handler(data)
         req._media = tuple(bag.items)

@@ -70,9 +70,10 @@ def from_data_url(url: object, where: str, kind: str = "image") -> bytes:
     return from_base64(url[m.end():], where, kind, m.group(1))
 
 
-def from_base64(b64: object, where: str, kind: str = "image", declared: str | None = None) -> bytes:
-    """Decoded and checked: within the bounds, of a format the engine reads, the format
-    ``declared`` (a MIME type or a short name, when given) being the bytes' own."""
+def from_base64(b64: object, where: str, kind: str | None = "image", declared: str | None = None) -> bytes:
+    """Decoded and checked: within the bounds, of a format the engine reads (of ``kind``,
+    "image" or "audio"; None: either, by the bytes), the format ``declared`` (a MIME type or a
+    short name, when given) being the bytes' own."""
     if not isinstance(b64, str):
         raise ValueError(f"{where}: the data must be a base64 string")
     if len(b64) > (MAX_BYTES * 4) // 3 + 4:
@@ -85,27 +86,16 @@ def from_base64(b64: object, where: str, kind: str = "image", declared: str | No
     if fmt is None:
         raise ValueError(f"{where}: not an image or audio format this server reads (images: PNG, JPEG, GIF, "
                          "BMP; audio: WAV, MP3, FLAC)")
-    want = IMAGE_TYPES if kind == "image" else AUDIO_TYPES
-    if fmt not in want:
+    if kind is not None and fmt not in (IMAGE_TYPES if kind == "image" else AUDIO_TYPES):
         raise ValueError(f"{where}: a {kind} part holds {fmt.upper()} data, which is not {kind}")
     if declared:
         name = declared.lower().split("/")[-1].replace("x-", "")
         name = {"jpg": "jpeg", "mpeg": "mp3", "wave": "wav", "vnd.wave": "wav"}.get(name, name)
         if name != fmt:
             raise ValueError(f"{where}: the data is {fmt.upper()}, not the declared {declared}")
-    if kind == "image":
+    if fmt in IMAGE_TYPES:
         check_size(data, fmt, where)
     return data
-
-
-def sniff_b64(b64: object) -> str | None:
-    """The format of base64 data, from its first bytes alone."""
-    if not isinstance(b64, str):
-        return None
-    try:
-        return sniff(base64.b64decode(b64[:64] + "=" * (-len(b64[:64]) % 4)))
-    except (binascii.Error, ValueError):
-        return None
 
 
 def sniff(data: bytes) -> str | None:
