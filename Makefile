@@ -93,7 +93,7 @@ model: install
 
 # The synthetic model the tests and benchmarks use for exact shapes.
 model-synthetic: install
-	$(PY) -m engine.models synthetic
+	$(PY) -m tests.models
 
 serve: install model model-synthetic
 	$(VENV)/bin/python -m cluster.serve $(CONFIG)

@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.run import ROOT, HttpStack
+from bench.stack import ROOT, HttpStack
 
 MB = 1e6
 CONFIG = ROOT / "deployments" / "configs" / "local.yaml"

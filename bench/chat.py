@@ -37,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.run import demo_args
+from bench.stack import demo_args
 from engine.models import CHAT_MODEL
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -204,7 +204,7 @@ def cache_figures(base: str) -> dict[str, float]:
 
 
 def ours(cache: dict | None = None) -> tuple[str, Callable[[], None]]:
-    from bench.run import HttpStack
+    from bench.stack import HttpStack
 
     stack = HttpStack()
     try:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from bench.run import ROOT, HttpStack, demo_args
+from bench.stack import ROOT, HttpStack, demo_args
 
 CELLS = ("stage-kill", "engine-kill", "freeze", "structured", "pairs")
 TOPICS = ["the sea", "mountains", "bread", "trains", "bees", "winter", "libraries", "rivers"]

@@ -35,8 +35,8 @@ def per_token(model: str) -> dict[str, float]:
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
     from engine import Engine, EngineConfig
-    from engine.grammar import GrammarSpec
     from engine.sampling import Candidates
+    from engine.text.grammar import GrammarSpec
 
     e = Engine(EngineConfig(model=model, n_ctx=1024, n_parallel=1, n_threads=1))
     try:
@@ -90,7 +90,7 @@ def per_token(model: str) -> dict[str, float]:
 
 def end_to_end(model: str, n: int) -> dict[str, float]:
     from engine import Engine, EngineConfig, SamplingParams
-    from engine.grammar import GrammarSpec
+    from engine.text.grammar import GrammarSpec
 
     e = Engine(EngineConfig(model=model, n_ctx=2048, n_parallel=1, n_threads=2))
     try:
@@ -114,7 +114,8 @@ def end_to_end(model: str, n: int) -> dict[str, float]:
 CHILD = r"""
 import json, sys, time
 which, model, kind, text = sys.argv[1], sys.argv[2], sys.argv[3], sys.stdin.read()
-from engine.native import Model, init_backend
+from engine.native.model import Model
+from engine.native.library import init_backend
 init_backend()
 m = Model(model)
 t0 = time.perf_counter()
@@ -134,8 +135,9 @@ if which == "llama.cpp":
     llama_cpp.llama_sampler_accept(g, int(c.arr["id"][ok[0]]) if len(ok) else 0)
     print("compiled", time.perf_counter() - t0)
 else:
-    from engine.grammar import GrammarCompiler, GrammarSpec
-    from engine.tokenizer import Tokenizer
+    from engine.text.grammar import GrammarSpec
+    from engine.text.matcher import GrammarCompiler
+    from engine.text.tokenizer import Tokenizer
     from engine.errors import RequestError
     comp = GrammarCompiler(Tokenizer(m))
     comp.tokenizer()

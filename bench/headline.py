@@ -26,7 +26,7 @@ from bench import cpu
 from bench.clients import make_prompts, run_http
 from bench.layout import layout, pin_processes
 from bench.llama_server import LlamaServer
-from engine.synthetic_model import ModelShape, write_model
+from tests.models.synthetic import ModelShape, write_model
 
 log = logging.getLogger("bench")
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ class Cell:
     def n_prompt(self) -> int:
         return N_PROMPT + self.shared_prefix
 
-    share_prefix: bool = True  # pipeline-groups only: slots share prefixes (engine/prefix.py)
+    share_prefix: bool = True  # pipeline-groups only: slots share prefixes (engine/cache/prefix.py)
     topology: str = "layer_split"  # pipeline-groups only: or "replicas", one engine per node (half the slots each)
     flash_attn: str = "auto"  # llama-server only: its -fa setting
     ingress: str = "direct"  # pipeline-groups only: the ingress serves HTTP itself; "proxy": Serve's proxy actor
@@ -212,7 +212,7 @@ def deploy_ours(stack, c: Cell) -> None:  # noqa: ANN001 - bench.run.HttpStack
 
 
 def main(out: Path, only: str | None = None) -> list[dict]:
-    from bench.run import HttpStack
+    from bench.stack import HttpStack
 
     if not MODEL.exists():
         write_model(MODEL, SHAPE)

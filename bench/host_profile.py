@@ -22,8 +22,8 @@ from pathlib import Path
 from bench import cpu
 from bench.clients import make_prompts, run_http
 from bench.headline import MODEL, SHAPE, Cell, _load, deploy_ours
-from engine.synthetic_model import write_model
 from observability.stacks import ENV, FLUSH_S, read_collapsed
+from tests.models.synthetic import write_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FLUSH_WAIT_S = FLUSH_S + 1  # each sampler has rewritten its file since
@@ -52,7 +52,7 @@ def summarise(before: Counter[str], after: Counter[str], n_tokens: int, top: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.run import HttpStack
+    from bench.stack import HttpStack
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--loads", type=int, default=2, help="measured repetitions of the 32-client load")

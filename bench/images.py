@@ -38,9 +38,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from bench.run import ROOT
-from engine.models import SYNTHETIC_MMPROJ, ensure_synthetic_model
+from bench.stack import ROOT
 from tests.images import png, png_solid
+from tests.models import SYNTHETIC_MMPROJ, ensure_synthetic_model
 
 LS_PORT, LS_RPC, RPC_PORT = 50184, 50185, 50186
 SLOTS, N_CTX_SLOT, N_LAYER, N_PEER = 4, 2048, 4, 2
@@ -147,7 +147,7 @@ def run_arm(base: str, images: list[bytes], a: argparse.Namespace) -> dict:
 
 def engine_arm(groups: int) -> Callable[[list[bytes], argparse.Namespace], dict]:
     def arm(images: list[bytes], a: argparse.Namespace) -> dict:
-        from bench.run import HttpStack
+        from bench.stack import HttpStack
 
         stack = HttpStack()
         try:

@@ -15,9 +15,9 @@ import statistics
 import sys
 
 from bench.clients import make_prompts, run_engine
-from bench.run import ROOT
+from bench.stack import ROOT
 from engine import Engine, EngineConfig
-from engine.synthetic_model import ModelShape, write_model
+from tests.models.synthetic import ModelShape, write_model
 
 SHAPE = ModelShape(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=32000, seed=11)
 ARMS = {"none": lambda i: {}, "half": lambda i: {"logprobs": 5} if i % 2 == 0 else {}, "all": lambda i: {"logprobs": 5}}

@@ -50,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from bench.run import ROOT, demo_args
+from bench.stack import ROOT, demo_args
 from engine.models import CHAT_MODEL
 
 LS_PORT, LS_RPC, RPC_PORT, COST_RPC = 50194, 50195, 50196, 50197
@@ -300,7 +300,7 @@ class Stack:
     """The local two-node cluster with Serve, started once for the engine's arms."""
 
     def __init__(self) -> None:
-        from bench.run import HttpStack
+        from bench.stack import HttpStack
 
         self.http = HttpStack()
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench import cpu
 from bench.headline import MODEL, SHAPE, Cell, run_llama_server, run_ours
-from engine.synthetic_model import write_model
+from tests.models.synthetic import write_model
 
 log = logging.getLogger("bench")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -52,7 +52,7 @@ def markdown(results: list[dict], meta: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.run import HttpStack
+    from bench.stack import HttpStack
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(RESULTS))

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from engine.models import GEMMA_MODEL, ensure_gemma_model
-from engine.native import Model
+from engine.native.model import Model
 from engine.params import SamplingParams
 from engine.sampling import INFILL_MAX_CANDIDATES, SamplerChain, thread_candidates
 

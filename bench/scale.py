@@ -1,7 +1,7 @@
 """A model of the size users serve, on the two-host bed, side by side with llama-server + rpc-server.
 
 ``make bench-scale`` (root, Linux; about 25 minutes on 2 cores). The model: a synthetic mixture
-of experts in Q4_K (``engine/synthetic_model.py``), 3.6 GB: 16 layers of 128 experts, 2 a
+of experts in Q4_K (``tests/models/synthetic.py``), 3.6 GB: 16 layers of 128 experts, 2 a
 token, so that a token costs what a 300M-parameter dense model costs while the weights weigh
 what users load over the link; its first 8 layers (half the weights) on the peer. The bed:
 ``tests/cluster/testbed.py``'s two hosts (network, mount and PID namespaces, ``ray up`` from
@@ -45,9 +45,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench.run import ROOT
-from engine.page_cache import resident_bytes
-from engine.synthetic_model import ModelShape
+from bench.stack import ROOT
+from engine.native.page_cache import resident_bytes
+from tests.models.synthetic import ModelShape
 
 SHAPE = ModelShape(n_layer=16, n_embd=1024, n_head=8, n_head_kv=2, n_ff=1024, n_vocab=8192, n_ctx_train=8192,
                    ftype="q4_k", n_expert=128, n_expert_used=2, seed=7)
@@ -61,7 +61,7 @@ RESULTS = ROOT / "bench" / "results"
 
 def ensure_model() -> Path:
     if not MODEL.exists():
-        from engine.synthetic_model import write_model
+        from tests.models.synthetic import write_model
 
         write_model(MODEL, SHAPE)
     return MODEL

@@ -24,12 +24,12 @@ import sys
 from collections.abc import Callable
 
 from bench.clients import LoadResult, run_engine
-from bench.run import ROOT
+from bench.stack import ROOT
 from deployments.stage import server as rpc_server
 from engine import Engine, EngineConfig
 from engine.config import SpeculativeConfig
 from engine.models import GEMMA_MODEL
-from engine.synthetic_model import ModelShape, write_mtp_model
+from tests.models.synthetic import ModelShape, write_mtp_model
 
 PORT = 50191
 N_GEN = 128

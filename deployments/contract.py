@@ -21,7 +21,7 @@ class Submitted:
     # the ingress's own, from what it prepared (never sent by the engine):
     echo: str | None = None  # completions' echo: the prompt's text
     tools: Any = None  # api.values.ToolSettings
-    reasoning: Any = None  # engine.reasoning.ReasoningPlan: how a chat answer's thinking is split
+    reasoning: Any = None  # engine.text.reasoning.ReasoningPlan: how a chat answer's thinking is split
     resume: Any = None  # api.values.ResumeSpec: how to resume it where it was (not for a continuation's own)
 
 

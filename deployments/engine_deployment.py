@@ -4,7 +4,7 @@ Requests come in as ``EngineRequest``s the ingress made (its template, its token
 ``deployments.prompts``), are accepted here off the event loop (their checks, their grammar's
 compilation) and answered with what the ingress cannot know (``deployments.contract``). Tokens
 leave in per-step batches, on one long-lived output stream per ingress replica (``outputs``;
-``deployments.streams`` holds both halves). No API module runs here: ``/props`` and
+``deployments.engine_streams`` is its half). No API module runs here: ``/props`` and
 ``/slots`` are reported raw and shaped by the ingress.
 """
 
@@ -25,9 +25,9 @@ from ray.serve.config import RequestRouterConfig
 
 from deployments.args import PEER_RESOURCE, RpcArgs
 from deployments.contract import Embedded, Submitted
+from deployments.engine_streams import EngineStreams
 from deployments.errors import CLIENT_ERRORS, ApiError
 from deployments.router import STATS_PERIOD_S, Route
-from deployments.streams import EngineStreams
 from deployments.watchdog import LATE_POLL_S, StallJudge
 from engine import (
     Engine,

@@ -37,7 +37,7 @@ class MakerConfig:
 class PromptMaker:
     def __init__(self, tokenizer: Any, model: Any, n_ctx_slot: int, n_parallel: int, config: MakerConfig,
                  modalities: dict[str, bool] | None = None) -> None:
-        from engine.tokenizer import server_limits
+        from engine.text.tokenizer import server_limits
 
         self.tokenizer, self.model, self.config = tokenizer, model, config
         self.modalities = modalities or {}
@@ -55,8 +55,8 @@ class PromptMaker:
     def load(cls, info: dict[str, Any]) -> PromptMaker:
         """The maker of the model an engine replica serves (its ``info()``), from the GGUF's
         vocabulary on this node."""
-        from engine.native import Model
-        from engine.tokenizer import Tokenizer
+        from engine.native.model import Model
+        from engine.text.tokenizer import Tokenizer
 
         model = Model(info["model_path"], devices=[], vocab_only=True, release_offloaded=False)
         tok = Tokenizer(model, info.get("chat_template"), info.get("chat_template_file"))
@@ -66,7 +66,7 @@ class PromptMaker:
     def tokenize_prompt(self, prompt: str | list[int], limit: Any = None) -> list[int]:
         """A prompt's tokens, as the engine's ``tokenize_prompt``; ``limit`` (default: a slot's,
         which leaves room for a generated token): ``TooLong`` past it (a 400)."""
-        from engine.tokenizer import prompt_tokens
+        from engine.text.tokenizer import prompt_tokens
 
         return prompt_tokens(self.tokenizer, prompt, limit or self.slot_limit)
 

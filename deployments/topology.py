@@ -53,7 +53,7 @@ class TopologyChoice:
 
 def kv_bytes(model: str, n_ctx: int) -> int:
     """Bytes of an f16 KV cache of ``n_ctx`` cells (all slots together) for the GGUF's layers."""
-    from engine.gguf_shape import read_shape
+    from engine.native.gguf_shape import read_shape
 
     return read_shape(model).kv_bytes(n_ctx)
 
@@ -110,7 +110,8 @@ def local_facts(model: str, memory_mib: float | None = None, fetch_default: bool
             log.warning("fetching the default model failed: %s", e)
     device, memory = "CPU", 0
     try:
-        from engine.native import init_backend, list_devices
+        from engine.native.devices import list_devices
+        from engine.native.library import init_backend
 
         init_backend()
         gpus = [d for d in list_devices() if d.type in (1, 2)]  # a GPU, or an integrated one (unified memory)

@@ -10,11 +10,11 @@ import importlib
 from typing import Any
 
 _HOMES = {
-    "Completion": "engine.engine",
+    "Completion": "engine.outputs",
     "Engine": "engine.engine",
-    "OutputQueues": "engine.engine",
+    "OutputQueues": "engine.outputs",
     "EngineConfig": "engine.config",
-    "SlotBusyError": "engine.group",
+    "SlotBusyError": "engine.messages",
     "SamplingParams": "engine.params",
     "Output": "engine.types",
     "Request": "engine.types",

@@ -277,7 +277,7 @@ class EngineConfig(BaseModel):
     speculative: SpeculativeConfig | None = Field(
         default=None,
         description="Speculative decoding per group: {type: ngram|draft, model, n_max, n_min, p_min, "
-        "max_rows, ...}; None: off. See engine/speculative.py.",
+        "max_rows, ...}; None: off. See engine/speculation/drafters.py.",
     )
     mmproj: str | None = Field(
         default=None,

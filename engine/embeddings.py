@@ -18,7 +18,9 @@ import llama_cpp
 import numpy as np
 
 from engine.errors import RequestError
-from engine.native import Batch, Context, Model
+from engine.native.batch import Batch
+from engine.native.context import Context
+from engine.native.model import Model
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import random
 import threading
 import time
@@ -20,66 +19,37 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 from engine.budget import PrefillBudget
+from engine.cache.prefix import sharing_on
+from engine.cache.prompt_cache import n_entries_for
 from engine.config import EngineConfig
 from engine.embeddings import Embedder
-from engine.gguf_shape import GgufShape, read_shape
-from engine.grammar import GrammarCompiler, GrammarDeadEnd
-from engine.group import CancelMsg, PipelineGroup, SlotBusyError, SlotOpMsg, StartMsg
-from engine.media import MEDIA_SLOT, MediaSpan, load_projector
-from engine.mtp import require_mtp
-from engine.native import Model, add_rpc_server, local_device_name
-from engine.prefix import sharing_on
-from engine.prompt_cache import n_entries_for
+from engine.group import PipelineGroup
+from engine.media import MEDIA_SLOT, MediaSpan
+from engine.messages import CancelMsg, SlotBusyError, SlotOpMsg, StartMsg
+from engine.native.devices import add_rpc_server
+from engine.native.gguf_shape import read_shape
+from engine.native.model import Model
+from engine.native.projector import load_projector
+from engine.outputs import Completion, OutputQueues
+from engine.placement import default_devices, kv_per_device, layer_split
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.slots import Slot, SlotView
-from engine.speculative import load_draft_model
-from engine.text import TextStream
-from engine.tokenizer import Tokenizer, TokenLimit, prompt_tokens, server_limits
+from engine.speculation.drafters import load_draft_model
+from engine.speculation.mtp import require_mtp
+from engine.text.matcher import GrammarCompiler, GrammarDeadEnd
+from engine.text.stream import TextStream
+from engine.text.tokenizer import Tokenizer, TokenLimit, prompt_tokens, server_limits
 from engine.types import Decode, EngineRequest, Output, Request, RequestError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Engine", "OutputQueues", "SlotBusyError", "Completion"]
+__all__ = ["Engine", "SlotBusyError"]
 
 THREAD_STACK = 64 << 20
-
-
-def default_devices(config: EngineConfig, rpc_devices: list[str]) -> list[str] | None:
-    """RPC devices first, the local device last, so the output layer and logits stay local."""
-    if config.devices:
-        return list(config.devices)
-    if rpc_devices:
-        return [*rpc_devices, local_device_name()]
-    return None
-
-
-def layer_split(config: EngineConfig, devices: list[str] | None) -> list[float] | None:
-    """llama.cpp's tensor split for ``peer_layers``: it cuts the layers *and* the output layer
-    in proportion, so n peer layers of L are the split [n, L + 1 - n]."""
-    if config.peer_layers is None:
-        return config.tensor_split
-    if not devices or len(devices) != 2 or not devices[0].startswith("RPC"):
-        raise ValueError(f"peer_layers needs the devices [RPC0, <local>], not {devices}")
-    n_layer = Model.n_layer_of(config.model)
-    if config.peer_layers >= n_layer:
-        raise ValueError(f"peer_layers ({config.peer_layers}) must leave the local device at least one of {n_layer} layers")
-    return [float(config.peer_layers), float(n_layer + 1 - config.peer_layers)]
-
-
-def kv_per_device(shape: GgufShape, placed: dict[int, str]) -> dict[str, int]:
-    """The f16 KV bytes a token takes on each device, by where llama.cpp put each layer
-    (``Model.layer_devices``; none recorded: all on the CPU)."""
-    per_layer = shape.kv_bytes(1) // max(shape.n_layer, 1)
-    out: dict[str, int] = {}
-    for il in range(shape.n_layer):
-        dev = placed.get(il, "CPU")
-        out[dev] = out.get(dev, 0) + per_layer
-    return out
 
 
 class Engine:
@@ -475,38 +445,3 @@ def _is_plain_filename(name: str) -> bool:
     if name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
         return False
     return len(name) <= 255 and not name.startswith(".")
-
-
-@dataclass
-class Completion:
-    text: str
-    final: Output
-
-
-class OutputQueues:
-    """A sink that routes each request's outputs to its own ``queue.Queue``."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._queues: dict[str, queue.Queue] = {}
-
-    def register(self, request_id: str) -> queue.Queue:
-        q: queue.Queue = queue.Queue()
-        with self._lock:
-            self._queues[request_id] = q
-        return q
-
-    def unregister(self, request_id: str) -> bool:
-        """Forget a request; True when it had not finished (the caller should cancel it)."""
-        with self._lock:
-            q = self._queues.pop(request_id, None)
-        return q is not None and not getattr(q, "finished", False)
-
-    def put(self, outs: list[Output]) -> None:
-        with self._lock:
-            for o in outs:
-                q = self._queues.get(o.request_id)
-                if q is not None:
-                    if o.finish_reason is not None:
-                        q.finished = True  # type: ignore[attr-defined]
-                    q.put(o)

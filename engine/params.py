@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.grammar import MAX_GRAMMAR_BYTES, GrammarSpec
+from engine.text.grammar import MAX_GRAMMAR_BYTES, GrammarSpec
 
 # llama-server's sampler names (and the aliases it accepts) -> the names the chain uses
 SAMPLER_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")

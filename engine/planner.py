@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.batching import Entry, count_ubatches, order_entries
+from engine.cache.prefix import Reuse
 from engine.media import MediaSpan, is_media
-from engine.prefix import Reuse
 from engine.slots import Slot, SlotState
 
 if TYPE_CHECKING:
+    from engine.cache.prefix import PrefixCache
     from engine.config import SpeculativeConfig
-    from engine.prefix import PrefixCache
     from engine.types import Request
 
 

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.grammar import GrammarDeadEnd
+from engine.cache.prefix import PrefixCache
 from engine.planner import Plan, Row
-from engine.prefix import PrefixCache
 from engine.runner import Runner
 from engine.sampling import token_logprobs
 from engine.slots import Slot, SlotState
-from engine.tokenizer import Tokenizer
+from engine.text.matcher import GrammarDeadEnd
+from engine.text.tokenizer import Tokenizer
 from engine.types import Delta, Failure, Fault, Finish, FinishReason, Output
 from observability.profiler import GroupProfiler
 

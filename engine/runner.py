@@ -18,15 +18,18 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from engine.cache.prefix import PrefixCache, sharing_on
+from engine.cache.prompt_cache import PromptCache
 from engine.config import EngineConfig
-from engine.mtp import MtpDrafter
-from engine.native import Batch, Context, Model, NativeError
+from engine.errors import NativeError
+from engine.native.batch import Batch
+from engine.native.context import Context
+from engine.native.model import Model
 from engine.planner import MediaEntry, Plan, Start
-from engine.prefix import PrefixCache, sharing_on
-from engine.prompt_cache import PromptCache
 from engine.sampling import SamplerChain
 from engine.slots import Slot
-from engine.speculative import ModelDrafter, NgramDrafter
+from engine.speculation.drafters import ModelDrafter, NgramDrafter
+from engine.speculation.mtp import MtpDrafter
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,7 @@ class Runner:
     def __init__(self, index: int, model: Model, config: EngineConfig, n_seq: int,
                  draft_model: Model | None = None, n_kept: int = 0) -> None:
         """``n_seq`` slots, and ``n_kept`` more sequences of a slot's size for the prompt cache
-        (engine/prompt_cache.py)."""
+        (engine/cache/prompt_cache.py)."""
         self.index = index
         self.n_vocab = model.n_vocab
         self.vocab = model.vocab

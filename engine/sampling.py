@@ -17,8 +17,8 @@ import threading
 import llama_cpp
 import numpy as np
 
-from engine.grammar import GrammarDeadEnd, GrammarState
 from engine.params import MAX_STOP_CHARS, SAMPLER_NAMES, SAMPLER_ORDER, SamplingParams  # noqa: F401 - their home
+from engine.text.matcher import GrammarDeadEnd, GrammarState
 
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")], align=True)
 assert TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)

@@ -24,7 +24,8 @@ from itertools import islice
 
 import numpy as np
 
-from engine.prefix import common_prefix, group_prefixes
+from engine.cache.prefix import group_prefixes
+from engine.cache.tokens import common_prefix
 from engine.slots import SlotView
 from engine.types import Finish, FinishReason, Output, QueueFullError, Request
 

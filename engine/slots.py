@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.text import TextStream
+from engine.text.stream import TextStream
 from engine.types import Request
 
 if TYPE_CHECKING:

@@ -212,7 +212,7 @@ PROMPT_CACHE_SERIES = (
 )
 
 
-MEDIA_SERIES = (  # the projector's counters (engine/media.py Projector.stats): name, key, help
+MEDIA_SERIES = (  # the projector's counters (engine/native/projector.py Projector.stats): name, key, help
     ("media_encoded", "encoded", "Images (and audio clips) the projector encoded."),
     ("media_encode_seconds", "encode_seconds", "Seconds the projector spent decoding and encoding media."),
     ("media_rows", "rows", "Embedding rows (prompt positions) the projector made."),

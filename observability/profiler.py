@@ -32,7 +32,7 @@ class ProfileSnapshot:
     drafted: int = 0  # ... draft tokens verified
     accepted: int = 0  # ... and accepted
     prefix_copied: int = 0  # prompt tokens whose KV was copied from another slot of the group
-    # the group's prompt cache (engine/prompt_cache.py): entries it has, hold, and their tokens
+    # the group's prompt cache (engine/cache/prompt_cache.py): entries it has, hold, and their tokens
     cache_capacity: int = 0
     cache_entries: int = 0
     cache_tokens: int = 0
@@ -116,7 +116,7 @@ class GroupProfiler:
     def end_step(self, rows: int, tokens: int, busy_slots: int, kv_used: int, ubatches: int,
                  copied: int = 0, cache: object | None = None) -> None:
         """``copied``: prompt tokens the group's prefix copies have taken so far; ``cache``:
-        its prompt cache's ``CacheStats`` (engine/prompt_cache.py)."""
+        its prompt cache's ``CacheStats`` (engine/cache/prompt_cache.py)."""
         self._steps += 1
         self._ubatches += ubatches
         self._rows += rows

@@ -12,8 +12,8 @@ from hypothesis import settings
 
 from deployments.stage import server as rpc_server
 from engine import Engine, EngineConfig
-from engine.models import ensure_synthetic_model
-from engine.synthetic_model import ModelShape, write_model
+from tests.models import ensure_synthetic_model
+from tests.models.synthetic import ModelShape, write_model
 
 REPO = Path(__file__).resolve().parents[1]
 RPC_PORT = 50161

@@ -10,7 +10,10 @@ import llama_cpp
 import pytest
 
 from engine.batching import Entry, count_ubatches, order_entries
-from engine.native import Batch, Context, Model, _load
+from engine.native.batch import Batch
+from engine.native.context import Context
+from engine.native.library import _load
+from engine.native.model import Model
 
 
 @pytest.fixture(scope="module")

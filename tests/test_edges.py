@@ -12,7 +12,7 @@ import llama_cpp
 import pytest
 
 from engine import SamplingParams
-from engine.group import SlotOpMsg
+from engine.messages import SlotOpMsg
 from engine.sampling import SamplerChain
 from engine.types import SHUTTING_DOWN, Fault
 
@@ -179,14 +179,18 @@ def test_a_draft_that_fails_to_load_leaves_no_context_behind(make_engine, monkey
     """Native handles are freed by construction whatever fails while an engine is built: here
     the second group's drafter, after the first group (its context and its draft context) and
     the second group's context exist. Every context is freed, and both models after them."""
-    from engine import native, runner
-    from engine.speculative import ModelDrafter
+    import llama_cpp
+
+    from engine import runner
+    from engine.native.context import Context
+    from engine.native.model import Model
+    from engine.speculation.drafters import ModelDrafter
 
     made: list = []
     models: list = []
     freed: list = []
-    real_init, real_model_init = native.Context.__init__, native.Model.__init__
-    real_free, real_model_close = native.llama_cpp.llama_free, native.Model.close
+    real_init, real_model_init = Context.__init__, Model.__init__
+    real_free, real_model_close = llama_cpp.llama_free, Model.close
 
     def recording_init(self, *a, **kw):
         real_init(self, *a, **kw)
@@ -213,10 +217,10 @@ def test_a_draft_that_fails_to_load_leaves_no_context_behind(make_engine, monkey
             raise RuntimeError("the draft context could not be made")
         return ModelDrafter(*a, **kw)
 
-    monkeypatch.setattr(native.Context, "__init__", recording_init)
-    monkeypatch.setattr(native.Model, "__init__", recording_model)
-    monkeypatch.setattr(native.Model, "close", recording_close)
-    monkeypatch.setattr(native.llama_cpp, "llama_free", recording_free)
+    monkeypatch.setattr(Context, "__init__", recording_init)
+    monkeypatch.setattr(Model, "__init__", recording_model)
+    monkeypatch.setattr(Model, "close", recording_close)
+    monkeypatch.setattr(llama_cpp, "llama_free", recording_free)
     monkeypatch.setattr(runner, "ModelDrafter", second_fails)
     with pytest.raises(RuntimeError, match="draft context"):
         make_engine(n_parallel=2, pipeline_groups=2, speculative={"type": "draft", "model": model_path})

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine import QueueFullError, RequestError, SamplingParams
-from engine.synthetic_model import ModelShape, write_model
+from tests.models.synthetic import ModelShape, write_model
 
 # the engine's own assertions, run on a GPU too (bench/device/run.sh: `pytest -m gpu`)
 pytestmark = pytest.mark.gpu
@@ -180,11 +180,11 @@ def test_synthetic_model_shapes(tmp_path):
 
 
 def test_the_header_walker_reads_what_gguf_reads(tmp_path):
-    """engine.gguf_shape walks the header without the vocabulary's numpy views; its tensor
+    """engine.native.gguf_shape walks the header without the vocabulary's numpy views; its tensor
     table (what the page release drops) and fields equal gguf's own reader's."""
     import gguf
 
-    from engine.gguf_shape import LongArray, read_header, read_shape
+    from engine.native.gguf_shape import LongArray, read_header, read_shape
 
     p = write_model(tmp_path / "m.gguf", ModelShape(n_layer=3, n_embd=96, n_head=3, n_head_kv=1, n_ff=160,
                                                      n_vocab=2000, seed=3))
@@ -230,7 +230,7 @@ def test_many_threads_submitting(make_engine):
 
 def test_compute_failure_stops_the_group_and_fails_requests(make_engine):
     """A negative llama_decode code (a lost RPC stage) fails the requests and marks the engine unhealthy."""
-    from engine.native import NativeError
+    from engine.errors import NativeError
 
     e = make_engine(n_parallel=2)
     assert e.healthy

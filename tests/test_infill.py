@@ -11,9 +11,9 @@ import pytest
 from deployments.api.llama import InfillRequest
 from deployments.api.values import Submitted
 from engine import Engine, EngineConfig, RequestError
-from engine.infill import FimTokens, infill_tokens
-from engine.synthetic_model import ModelShape, write_model
+from engine.text.infill import FimTokens, infill_tokens
 from engine.types import Output
+from tests.models.synthetic import ModelShape, write_model
 from tests.test_deployment import connect, next_outputs, run, submit
 
 

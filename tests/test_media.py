@@ -18,9 +18,9 @@ from deployments.prompts import PromptMaker
 from engine import SamplingParams
 from engine.errors import RequestError
 from engine.media import MEDIA_SLOT, media_boundary, media_hash, media_ids
-from engine.models import SYNTHETIC_MMPROJ
-from engine.synthetic_projector import ProjectorShape
 from tests.images import data_url, gif_frames, jpeg_cut, png, png_bomb, png_garbage, webp
+from tests.models import SYNTHETIC_MMPROJ
+from tests.models.projector import ProjectorShape
 
 pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(max_tokens=12, temperature=0, top_k=1)

@@ -15,10 +15,10 @@ from pydantic import ValidationError
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.config import SpeculativeConfig
-from engine.mtp import PairedKv, pairs
-from engine.synthetic_model import ModelShape, write_mtp_model
+from engine.speculation.mtp import PairedKv, pairs
 from tests.conftest import RPC_PORT
 from tests.link import CountingLink
+from tests.models.synthetic import ModelShape, write_mtp_model
 from tests.test_speculative import check_kv, run
 
 SHAPE = ModelShape(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab=1024, seed=11)

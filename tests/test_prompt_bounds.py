@@ -27,15 +27,15 @@ from deployments.api.base import (
 from deployments.api.llama import TokenizeRequest
 from deployments.api.openai import ChatCompletionRequest, CompletionRequest
 from deployments.api.values import Submitted
-from engine.chat import Bound, ChatTemplate, TooLong
-from engine.tokenizer import TokenLimit
+from engine.text.chat import Bound, ChatTemplate, TooLong
+from engine.text.tokenizer import TokenLimit
 from tests.fake_handle import FakeHandle, fake_maker
 
 SLOT = dict(n_ctx=512, n_parallel=2)  # 256 tokens a slot
 
 
 def _no_tokenising(monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine.tokenizer as tok
+    import engine.text.tokenizer as tok
 
     def refuse(*_: Any) -> int:
         raise AssertionError("tokenised a text its bytes show cannot fit")

@@ -1,4 +1,4 @@
-"""The prompt cache beyond the slots (engine/prompt_cache.py): conversations that come back
+"""The prompt cache beyond the slots (engine/cache/prompt_cache.py): conversations that come back
 after their slot served others take their history back instead of evaluating it again; the
 text does not change; routing follows the cache; a small cache evicts and nothing fails; on the
 split a restore sends commands over the link, not KV."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engine import SamplingParams
-from engine.prompt_cache import LLAMA_MAX_SEQ, PromptCache, n_entries_for
+from engine.cache.prompt_cache import LLAMA_MAX_SEQ, PromptCache, n_entries_for
 from tests.link import CountingLink
 from tests.test_resume_engine import run as run_request
 
@@ -225,7 +225,7 @@ def test_entries_tokens_reach_the_scheduler(make_engine):
 
 @pytest.fixture(scope="module")
 def hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from engine.synthetic_model import ModelShape, write_hybrid_model
+    from tests.models.synthetic import ModelShape, write_hybrid_model
 
     # three short-convolution layers (a recurrent state) before each attention layer
     return str(write_hybrid_model(tmp_path_factory.mktemp("hybrid") / "hybrid.gguf", ModelShape(n_layer=8)))

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from deployments.api.openai import Choice, SseEvents
-from engine.reasoning import MARKERS, ReasoningPlan, ReasoningSplitter, split_reasoning
+from engine.text.reasoning import MARKERS, ReasoningPlan, ReasoningSplitter, split_reasoning
 from engine.types import Delta, Finish, FinishReason, Output
 
 THINK = ReasoningPlan("<think>", "</think>")

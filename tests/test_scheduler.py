@@ -3,7 +3,8 @@ a cached prefix, least recently used, balance between groups, consecutive sequen
 
 import numpy as np
 
-from engine.prefix import common_prefix, group_prefixes
+from engine.cache.prefix import group_prefixes
+from engine.cache.tokens import common_prefix
 from engine.scheduler import choose_slot
 from engine.slots import SlotView
 

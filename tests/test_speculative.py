@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from engine import EngineConfig, SamplingParams
 from engine.config import SpeculativeConfig
 from engine.slots import MAX_BACKOFF, SpecState
-from engine.speculative import ngram_draft
+from engine.speculation.drafters import ngram_draft
 from observability.metrics import EngineMetrics
 from tests.rounding import agree_until_they_differ
 

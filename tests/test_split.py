@@ -82,7 +82,7 @@ def test_tensor_split_moves_layers(make_engine, rpc_endpoint):
 def test_peer_layers_puts_exactly_that_many_layers_on_the_peer(make_engine, rpc_endpoint, model_path, caplog):
     import re
 
-    from engine.native import Model
+    from engine.native.model import Model
 
     n_layer = Model.n_layer_of(model_path)
     assert n_layer >= 3
@@ -145,7 +145,7 @@ def test_a_shared_prefix_is_copied_on_the_peer_not_over_the_link(make_engine):
 
 def moe_model(tmp_path):
     """Two layers of 8 f16 experts: each expert tensor 12.6 MB, over the RPC hash threshold."""
-    from engine.synthetic_model import ModelShape, write_model
+    from tests.models.synthetic import ModelShape, write_model
 
     shape = ModelShape(n_layer=2, n_embd=512, n_head=4, n_head_kv=2, n_ff=1536, n_vocab=1024, n_expert=8,
                        n_expert_used=2, seed=11)
@@ -160,7 +160,7 @@ def test_the_peers_weights_leave_the_local_page_cache(tmp_path, rpc_endpoint):
     """Once sent, the peer's layers are no longer held on the local node: not in the engine's
     mappings, not in the page cache; the local layer's pages stay; the text is unchanged."""
     from engine import Engine, EngineConfig
-    from engine.page_cache import resident_bytes, tensor_ranges
+    from engine.native.page_cache import resident_bytes, tensor_ranges
 
     model = str(moe_model(tmp_path))
     cfg = dict(model=model, n_parallel=1, n_ctx=512, n_threads=1)
@@ -217,7 +217,8 @@ def test_the_process_holds_one_ggml_and_a_model_without_devices_stays_local(make
     (its own device registry, logger and buffer types) into the process, where a GPU load
     crashed. One registry means an RPC server registered for one engine is seen by every later
     load in the process: a model loaded without devices still gets only this node's."""
-    from engine.native import Model, list_devices
+    from engine.native.devices import list_devices
+    from engine.native.model import Model
 
     split = make_engine(n_parallel=1, rpc_endpoints=[rpc_endpoint])
     assert split.model.layer_devices[0].startswith("RPC")

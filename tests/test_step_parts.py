@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
+from engine.cache.prefix import PrefixCache, Reuse, keep_prefix
 from engine.config import SpeculativeConfig
 from engine.params import SamplingParams
 from engine.planner import draft_requests, plan_start, plan_step
-from engine.prefix import PrefixCache, Reuse, keep_prefix
 from engine.slots import Slot, SlotState
 from engine.types import Request
 

@@ -1,6 +1,6 @@
 """Stop strings across token boundaries and UTF-8 hold-back."""
 
-from engine.text import TextStream, partial_stop_suffix
+from engine.text.stream import TextStream, partial_stop_suffix
 
 
 def feed_all(ts: TextStream, pieces: list[bytes]) -> str:

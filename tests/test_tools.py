@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from deployments.api.openai import ChatCompletionRequest
 from engine import SamplingParams
-from engine.tools import ToolCallStream, ToolFormat, ToolPlan, detect_format, parse_tool_calls
+from engine.text.tools import ToolCallStream, ToolFormat, ToolPlan, detect_format, parse_tool_calls
 
 WEATHER = {
     "type": "function",

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from engine.synthetic_model import ModelShape, write_model  # noqa: E402
+from tests.models.synthetic import ModelShape, write_model  # noqa: E402
 
 LOCAL = os.environ.get("LOCAL_DEVICE", "CUDA0")
 # bench/run.py's FULL shape and model path, so that the model can be written before llama_cpp is

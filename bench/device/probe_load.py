@@ -8,10 +8,10 @@ Seen on an H200 (CUDA 13): a plain process loaded the model on CUDA0, while pyte
 gpu_bench.py died of SIGSEGV inside ``llama_model_load_from_file``. What those do that the plain
 process did not is each one probe here: a second load after a first model was freed (the
 tests build engine after engine), two models alive at once, the page release of the layers
-CUDA holds (engine/page_cache.py) before the next load, the engine's 64 MiB thread stacks,
+CUDA holds (engine/native/page_cache.py) before the next load, the engine's 64 MiB thread stacks,
 pytest's capture and faulthandler around the load, the log callback against llama.cpp's own
 stderr log, an RPC device in the device list, and the engine's own ggml calls before a load
-(until this probe's version, engine/native.py opened a second copy of ggml's libraries there:
+(until this probe's version, engine/native/library.py opened a second copy of ggml's libraries there:
 the wheel's ``libggml.so`` beside the ``libggml.so.0`` libllama links, a second device
 registry in the process; gpu_bench.py went through it, the plain process did not). Each prints one JSON line
 (``{"probe", "rc", "signal", "seconds", "tail"}``); the last line names the verdict.
@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-LOAD = "from engine.native import Model\n"
+LOAD = "from engine.native.model import Model\n"
 # name -> (python source, extra environment); {m} is the model's path
 PROBES: list[tuple[str, str, dict[str, str]]] = [
     ("plain", LOAD + "m = Model('{m}'); print('loaded', m.layer_devices.get(m.n_layer))", {}),
@@ -41,7 +41,7 @@ PROBES: list[tuple[str, str, dict[str, str]]] = [
     ("second-load-no-release", LOAD + "Model('{m}', release_offloaded=False).close()\n"
      "m = Model('{m}', release_offloaded=False); print('loaded twice, pages kept')", {}),
     ("two-alive", LOAD + "a = Model('{m}')\nb = Model('{m}'); print('two alive')", {}),
-    ("device-list-first", "from engine.native import Model, list_devices\nprint([d.name for d in list_devices()])\n"
+    ("device-list-first", "from engine.native.model import Model\nfrom engine.native.devices import list_devices\nprint([d.name for d in list_devices()])\n"
      "Model('{m}').close()\nm = Model('{m}'); print('loaded twice after the engine read the devices')", {}),
     ("thread-stack", "import threading\nthreading.stack_size(64 << 20)\n" + LOAD + "Model('{m}'); print('loaded')", {}),
     ("engine-twice", "from engine import Engine, EngineConfig\n"
@@ -50,7 +50,7 @@ PROBES: list[tuple[str, str, dict[str, str]]] = [
     ("second-load-stderr-log", LOAD + "Model('{m}').close()\nm = Model('{m}'); print('loaded twice')",
      {"PGROUPS_LLAMA_LOG": "stderr"}),
     ("rpc-device", "from deployments.stage import server\n"
-     "from engine.native import Model, add_rpc_server, local_device_name\n"
+     "from engine.native.model import Model\nfrom engine.native.devices import add_rpc_server, local_device_name\n"
      "p = server.launch('127.0.0.1', 50199, threads=1)\n"
      "try:\n    add_rpc_server('127.0.0.1:50199')\n"
      "    m = Model('{m}', devices=['RPC0', local_device_name()], tensor_split=[1.0, 2.0])\n"

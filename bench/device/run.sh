@@ -118,7 +118,8 @@ install_wheel() {
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$WHEELS"/llama_cpp_python-*.whl || return 1
   ls -la "$SITE/llama_cpp/lib"
   python3 -c "
-from engine.native import init_backend, list_devices
+from engine.native.library import init_backend
+from engine.native.devices import list_devices
 init_backend(quiet=False)
 for d in list_devices():
     print(d)
@@ -129,8 +130,8 @@ export -f install_wheel
 phase install 60 install_wheel
 tail -n 4 "$OUT/install.log" | sed 's/^/    /' | tee -a "$OUT/device.log"
 
-# ---- model: the tests' synthetic model (engine/synthetic_model.py writes it; no download) -----
-phase model 60 python3 -m engine.models synthetic
+# ---- model: the tests' synthetic model (tests/models/synthetic.py writes it; no download) -----
+phase model 60 python3 -m tests.models
 wait "$BENCH_MODEL_PID"; log "bench-model: $(tail -n 2 "$OUT/bench-model.log" | tr '\n' ' ')"
 
 # ---- probe-load: the first probe. One fresh process per suspect of the SIGSEGV seen at model

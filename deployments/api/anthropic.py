@@ -97,7 +97,7 @@ class MessagesRequest(ApiModel):
         if self.tools:
             body["tools"] = [_chat_tool(i, t) for i, t in enumerate(self.tools)]
         fmt = self._output_format()
-        if fmt is not None:  # the schema goes the one path every schema goes (engine.grammar)
+        if fmt is not None:  # the schema goes the one path every schema goes (engine.text.grammar)
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt}}
         if self.tool_choice:
             kind = self.tool_choice.get("type")

@@ -11,7 +11,7 @@ from pydantic import ConfigDict
 from deployments.api import media
 from deployments.api.base import Bounded
 from deployments.api.media import CHAT_MARKER, MEDIA_PARTS, MediaBag
-from engine.tools import template_message
+from engine.text.tools import template_message
 
 
 class ChatMessage(Bounded):

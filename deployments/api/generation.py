@@ -11,8 +11,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from deployments.api.base import ApiModel
-from engine.grammar import JSON_OBJECT_SCHEMA, GrammarSpec, check_source
 from engine.params import SAMPLER_NAMES, SAMPLER_ORDER, SamplingParams
+from engine.text.grammar import JSON_OBJECT_SCHEMA, GrammarSpec, check_source
 
 
 def sampling_field(name: str) -> Any:
@@ -238,7 +238,7 @@ class GenerationRequest(ApiModel):
 
     def grammar_spec(self) -> GrammarSpec | None:
         """The one grammar the request asks for, from whichever field it used, checked against
-        the limits every grammar meets (``engine.grammar``)."""
+        the limits every grammar meets (``engine.text.grammar``)."""
         asked = [k for k in ("grammar", "json_schema") if getattr(self, k) is not None]
         rf = self.response_format
         kind = rf.get("type") if rf else None

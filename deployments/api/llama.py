@@ -110,7 +110,7 @@ class InfillRequest(LlamaCompletionRequest):
         return [(c.filename, c.text) for c in self.input_extra]
 
     def engine_prompt(self, engine: Engine) -> list[int]:
-        from engine.infill import infill_tokens  # native: imported where a prompt is made
+        from engine.text.infill import infill_tokens  # native: imported where a prompt is made
 
         asked = max(self.n_predict or 0, self.max_tokens or 0, 0)
         return infill_tokens(engine.tokenizer, self.input_prefix, self.input_suffix, self.prompt, self.extra(),

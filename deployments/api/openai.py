@@ -29,8 +29,8 @@ from deployments.api.embeddings import EMBEDDINGS
 from deployments.api.generation import GenerationRequest, prompt_progress, timings
 from deployments.api.media import CHAT_MARKER, MediaBag
 from deployments.api.values import Prepared, ToolSettings
-from engine.reasoning import ReasoningPlan, ReasoningSplitter, split_reasoning
-from engine.tools import ToolPlan, check_tools, chosen, tool_finish
+from engine.text.reasoning import ReasoningPlan, ReasoningSplitter, split_reasoning
+from engine.text.tools import ToolPlan, check_tools, chosen, tool_finish
 from engine.types import Output
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, default_max_tokens: 
                 limit: Any = None) -> tuple[str, SamplingParams, ToolPlan]:
     """A chat request's prompt (its tools in it, as its template takes them), its sampling
     (a forced tool call's grammar in it) and its tool plan. ``limit`` (an
-    ``engine.tokenizer.TokenLimit``): the rendering stops once the prompt cannot fit it."""
+    ``engine.text.tokenizer.TokenLimit``): the rendering stops once the prompt cannot fit it."""
     plan = ToolPlan.make(tokenizer.template.source, tokenizer.template.builtin, req.tools, req.tool_choice,
                          req.parallel_tool_calls)
     prompt = tokenizer.apply_chat_template(plan.messages(req.template_messages()), tools=plan.template_tools(),

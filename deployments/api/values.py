@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deployments.contract import Embedded, Submitted  # noqa: F401 - the engine's answers, re-exported
-from engine.tools import ToolCallStream, limit_calls, parse_tool_calls
+from engine.text.tools import ToolCallStream, limit_calls, parse_tool_calls
 from engine.types import EngineRequest
 
 
@@ -38,7 +38,7 @@ class Prepared:
     request: Any  # engine.types.EngineRequest (an Engine's own Request where an engine prepares it)
     echo: str | None = None  # completions' echo: the prompt's text
     tools: ToolSettings | None = None
-    reasoning: Any = None  # engine.reasoning.ReasoningPlan
+    reasoning: Any = None  # engine.text.reasoning.ReasoningPlan
 
 
 SEED_SPACE = 2**32 - 1  # the engine's seeds

@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.cpus:
         os.sched_setaffinity(0, {int(c) for c in a.cpus.split(",")})
 
-    from engine.native import ggml, init_backend, list_devices, local_device_name
+    from engine.native.devices import list_devices, local_device_name
+    from engine.native.library import ggml, init_backend
 
     init_backend(quiet=False)
     g = ggml()

@@ -43,7 +43,7 @@ def completion(prompt: str, max_tokens: int, timeout: float = 120, check: bool =
 
 
 def model_shape() -> dict[str, int]:
-    from engine.gguf_shape import LongArray, read_header, read_shape
+    from engine.native.gguf_shape import LongArray, read_header, read_shape
 
     shape = read_shape(str(tb.MODEL))
     tokens = read_header(str(tb.MODEL)).fields["tokenizer.ggml.tokens"]

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.synthetic_model import ModelShape, write_model
 from tests.e2e.test_http_api import APP
+from tests.models.synthetic import ModelShape, write_model
 
 FIXTURES = {k: v for k, v in json.loads((Path(__file__).parents[1] / "fixtures" / "clients.json").read_text()).items()
             if not k.startswith("_")}

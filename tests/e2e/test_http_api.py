@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from engine.models import SYNTHETIC_MMPROJ
+from tests.models import SYNTHETIC_MMPROJ
 
 APP = {
     "n_ctx": 2048,

@@ -14,10 +14,10 @@ import openai
 import pytest
 
 from deployments.api.media import MEDIA_MARKER
-from engine.synthetic_projector import ProjectorShape
 from tests.e2e.browser import chromium
 from tests.e2e.test_http_api import APP
 from tests.images import data_url, png, png_bomb
+from tests.models.projector import ProjectorShape
 
 IMG = png(48, 36, 11)
 GREEDY = {"temperature": 0, "top_k": 1, "max_tokens": 10}

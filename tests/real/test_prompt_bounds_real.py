@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from engine.models import CHAT_MODEL
-from engine.native import Model
-from engine.tokenizer import Tokenizer, TokenLimit
+from engine.native.model import Model
+from engine.text.tokenizer import Tokenizer, TokenLimit
 
 TEXTS = ["", " " * 5000, "\n" * 3000, "\t \n" * 1000, "a" * 4000, "\x04\x06\x13\x14\x16\x1d" * 500,
          "\U00040000\U00080000" * 300, "é🙂中" * 700, "…" * 2000, "<|im_start|>" * 300, "<start_of_turn>user\n" * 200,

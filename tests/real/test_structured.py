@@ -111,7 +111,7 @@ def test_forced_tool_calls_on_the_real_model_all_parse_and_validate(make_gemma):
     """Gemma's GGUF has no chat template (chatml, no tools): the tools go in a system
     message; tool_choice required makes every sampled answer calls that validate."""
     from deployments.api.openai import chat_prompt
-    from engine.tools import limit_calls, parse_tool_calls
+    from engine.text.tools import limit_calls, parse_tool_calls
 
     e = make_gemma(n_parallel=4, n_ctx=16384)
     req = ChatCompletionRequest.model_validate({
@@ -153,7 +153,8 @@ NUMBER_CASES = [
 def test_schema_numbers_end(make_gemma):
     """Integers and numbers are bounded as llama.cpp's converter bounds them (16 digits; decimals
     tighter: 10), where the schema sets no bound of its own."""
-    from engine.grammar import GrammarCompiler, GrammarSpec
+    from engine.text.grammar import GrammarSpec
+    from engine.text.matcher import GrammarCompiler
 
     e = make_gemma(n_parallel=1, n_ctx=512)
     gc = GrammarCompiler(e.tokenizer)

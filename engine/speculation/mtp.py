@@ -41,7 +41,9 @@ import numpy as np
 
 from engine.config import SpeculativeConfig
 from engine.errors import NativeError
-from engine.native import Batch, Context, Model
+from engine.native.batch import Batch
+from engine.native.context import Context
+from engine.native.model import Model
 
 if TYPE_CHECKING:
     from engine.planner import Plan

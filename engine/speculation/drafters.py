@@ -31,8 +31,9 @@ import logging
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from engine.cache.prefix import keep_prefix
+from engine.cache.tokens import common_prefix
 from engine.config import SpeculativeConfig
-from engine.prefix import common_prefix, keep_prefix
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,8 @@ class ModelDrafter:
 
     def __init__(self, cfg: SpeculativeConfig, model: object, *, n_ctx: int, n_seq: int, n_batch: int,
                  n_threads: int, flash_attn: bool | None) -> None:
-        from engine.native import Batch, Context
+        from engine.native.batch import Batch
+        from engine.native.context import Context
 
         self.cfg = cfg
         self.model = model
@@ -152,7 +154,8 @@ class ModelDrafter:
 
 def load_draft_model(cfg: SpeculativeConfig, target: object) -> object:
     """The draft model on the local device, checked against the target's vocabulary."""
-    from engine.native import Model, local_device_name
+    from engine.native.devices import local_device_name
+    from engine.native.model import Model
 
     m = Model(cfg.model, devices=[local_device_name()])
     if m.n_vocab != target.n_vocab:

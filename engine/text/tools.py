@@ -6,6 +6,16 @@ one; the template's own markup tells which syntax the model was trained to answe
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes, Qwen 2.5/3)
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``
 - ``llama3``: a bare ``{"name": ..., "parameters": {...}}``, maybe after ``<|python_tag|>``
+- ``qwen3-coder``: ``<tool_call><function=NAME><parameter=P>value</parameter>...</function></tool_call>``
+- ``glm-4.5``: ``<tool_call>NAME<arg_key>P</arg_key><arg_value>value</arg_value>...</tool_call>``
+- ``deepseek-v3.1``: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...``
+- ``kimi-k2``: ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}<|tool_call_end|>...``
+- ``gpt-oss``: harmony's ``<|channel|>commentary to=functions.NAME ...<|message|>{...}<|call|>``
+  (``engine.text.harmony``, which splits the whole answer)
+
+An XML-style call's values (Qwen3-Coder's, GLM's) are text: a parameter whose schema admits a
+string keeps it as a string; any other is read as JSON where it parses (a number, a boolean, an
+object), as llama-server reads them, else kept as text.
 
 A template that takes no tools (a llama.cpp built-in, or Jinja without ``tools``) gets
 them in a system message instead, with the Hermes syntax to answer in (``generic``).
@@ -25,10 +35,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from engine.grammar import GrammarSpec, bounded_schema, check_schema, json_options
-from engine.types import RequestError
+from engine.errors import RequestError
+from engine.text.grammar import GrammarSpec, bounded_schema, check_schema, json_options
 
-MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
+DS_CALLS = "<｜tool▁calls▁begin｜>"  # DeepSeek V3.1's markers: fullwidth bars, U+2581 for spaces
+DS_CALL, DS_SEP, DS_CALL_END, DS_CALLS_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
+KIMI_CALLS, KIMI_CALL, KIMI_ARGS = "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>"
+KIMI_CALL_END = "<|tool_call_end|>"
+MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", DS_CALLS, KIMI_CALLS)
 MAX_CALLS = 8  # calls one forced answer may hold (parallel_tool_calls)
 
 
@@ -36,13 +50,42 @@ class ToolFormat(StrEnum):
     HERMES = "hermes"
     MISTRAL = "mistral"
     LLAMA3 = "llama3"
+    QWEN3_CODER = "qwen3-coder"
+    GLM45 = "glm-4.5"
+    DEEPSEEK_V31 = "deepseek-v3.1"
+    KIMI_K2 = "kimi-k2"
+    HARMONY = "gpt-oss"
     GENERIC = "generic"
 
 
+# special tokens a format's answers are written in: rendered as text for its requests (llama.cpp's
+# preserved tokens), so the parser sees them; a format not named here writes plain text
+FORMAT_TOKENS: dict[ToolFormat, tuple[str, ...]] = {
+    ToolFormat.HERMES: ("<tool_call>", "</tool_call>"),
+    ToolFormat.QWEN3_CODER: ("<tool_call>", "</tool_call>"),
+    ToolFormat.GLM45: ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+    ToolFormat.MISTRAL: ("[TOOL_CALLS]", "[ARGS]"),
+    ToolFormat.LLAMA3: ("<|python_tag|>",),
+    ToolFormat.DEEPSEEK_V31: (DS_CALLS, DS_CALL, DS_SEP, DS_CALL_END, DS_CALLS_END),
+    ToolFormat.KIMI_K2: (KIMI_CALLS, KIMI_CALL, KIMI_ARGS, KIMI_CALL_END, "<|tool_calls_section_end|>"),
+}
+
+
 def detect_format(source: str, builtin: bool) -> ToolFormat:
-    """The tool-call syntax a chat template shows its model."""
+    """The tool-call syntax a chat template shows its model, tried in llama.cpp's chat layer's
+    order: the families whose markup another family's contains come first."""
+    if "<|channel|>" in source and not builtin:
+        return ToolFormat.HARMONY  # its answers are harmony's, tools or not
     if builtin or not re.search(r"\btools\b", source):
         return ToolFormat.GENERIC
+    if DS_CALLS in source or "message['prefix'] is defined and message['prefix'] and thinking" in source:
+        return ToolFormat.DEEPSEEK_V31
+    if KIMI_CALLS in source:
+        return ToolFormat.KIMI_K2
+    if "<arg_key>" in source and "<arg_value>" in source:
+        return ToolFormat.GLM45
+    if "<tool_call>" in source and "<function=" in source and "<parameter=" in source:
+        return ToolFormat.QWEN3_CODER
     if "<tool_call>" in source:
         return ToolFormat.HERMES
     if "[TOOL_CALLS]" in source:
@@ -255,17 +298,114 @@ def _json_values(text: str) -> list[Any] | None:
         out.append(v)
 
 
-def parse_tool_calls(text: str, names: list[str]) -> tuple[str, list[dict[str, Any]]]:
-    """``(content, calls)`` of a model's answer; content is the text outside the calls."""
+ArgTypes = dict[str, dict[str, set[str]]]  # function -> parameter -> the JSON types its schema admits
+
+
+def arg_types(tools: list[dict[str, Any]]) -> ArgTypes:
+    """Each offered function's parameters' JSON types (an empty set: any type)."""
+    out: ArgTypes = {}
+    for t in tools:
+        fn = t.get("function") or {}
+        props = (fn.get("parameters") or {}).get("properties") or {}
+        out[fn.get("name", "")] = {k: _schema_types(v) for k, v in props.items() if isinstance(k, str)}
+    return out
+
+
+def _schema_types(schema: Any) -> set[str]:
+    if not isinstance(schema, dict):
+        return set()
+    t = schema.get("type")
+    if isinstance(t, str):
+        return {t}
+    if isinstance(t, list):
+        return {x for x in t if isinstance(x, str)}
+    if "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
+        return {"string"}
+    out: set[str] = set()
+    for key in ("anyOf", "oneOf"):
+        for sub in schema.get(key) or []:
+            sub_types = _schema_types(sub)
+            if not sub_types:
+                return set()
+            out |= sub_types
+    return out
+
+
+def xml_value(raw: str, types: set[str], trim: bool) -> Any:
+    """An XML-style call's value: text where the parameter takes a string (or its type is not
+    known and the text is no JSON value), else the JSON value it spells."""
+    text = raw.strip() if trim else raw.strip("\n")
+    if "string" in types:
+        return text
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return text
+
+
+_QWEN_FN = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
+_QWEN_PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.S)
+
+
+def _xml_call(body: str, types: ArgTypes) -> tuple[str, Any] | None:
+    """A Qwen3-Coder (``<function=NAME><parameter=P>``) or GLM (``NAME<arg_key>``) call's body."""
+    if m := _QWEN_FN.match(body):
+        name = m.group(1).strip()
+        known = types.get(name, {})
+        return name, {k.strip(): xml_value(v, known.get(k.strip(), set()), True)
+                      for k, v in _QWEN_PARAM.findall(m.group(2))}
+    name, sep, rest = body.partition("<arg_key>")
+    name = name.strip()
+    if sep and name and re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+        known = types.get(name, {})
+        return name, {k: xml_value(v, known.get(k, set()), False) for k, v in _GLM_ARG.findall(sep + rest)}
+    if name and not sep and re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name) and name in types:
+        return name, {}  # GLM's call of a function without arguments
+    return None
+
+
+def _marked_calls(text: str, begin: str, head: re.Pattern) -> tuple[str, list[dict[str, Any]]] | None:
+    """DeepSeek V3.1's and Kimi K2's calls: after ``begin``, each ``head`` (naming the function)
+    then its JSON arguments; None when no call parses."""
+    before, _, after = text.partition(begin)
+    calls = []
+    for m in head.finditer(after):
+        i = m.end()
+        while i < len(after) and after[i] in " \t\r\n":
+            i += 1
+        try:
+            args, _ = json.JSONDecoder().raw_decode(after, i)
+        except ValueError:
+            continue
+        calls.append(new_call(m.group(1).strip(), args))
+    return (before.strip(), calls) if calls else None
+
+
+_DS_HEAD = re.compile(rf"(?:{re.escape(DS_CALL)})?([^\n<{DS_SEP[0]}]+?){re.escape(DS_SEP)}(?:json\s*)?")
+_KIMI_HEAD = re.compile(rf"{re.escape(KIMI_CALL)}\s*(?:functions\.)?([A-Za-z0-9_.\-]+?)(?::\d+)?\s*{re.escape(KIMI_ARGS)}")
+
+
+def parse_tool_calls(text: str, names: list[str], types: ArgTypes | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """``(content, calls)`` of a model's answer; content is the text outside the calls.
+    ``types``: the offered functions' parameters' types, for the XML-style calls' values."""
     calls: list[dict[str, Any]] = []
     content = text
-    # Hermes: <tool_call>{...}</tool_call> blocks (an unclosed last one counts when it parses)
+    types = types if types is not None else {n: {} for n in names}
+    if DS_CALLS in text and (found := _marked_calls(text, DS_CALLS, _DS_HEAD)):
+        return found
+    if KIMI_CALLS in text and (found := _marked_calls(text, KIMI_CALLS, _KIMI_HEAD)):
+        return found
+    # Hermes: <tool_call>{...}</tool_call> blocks (an unclosed last one counts when it parses);
+    # Qwen3-Coder's and GLM's XML-style bodies in the same blocks
     if "<tool_call>" in text:
         kept, rest = [], text
         while "<tool_call>" in rest:
             before, _, after = rest.partition("<tool_call>")
             body, closed, rest = after.partition("</tool_call>")
             c = _as_call(_first_json(body))
+            if c is None:
+                c = _xml_call(body, types)
             if c is None:
                 kept.append(before + "<tool_call>" + body + closed)
                 continue

@@ -11,7 +11,7 @@ their behalf. A new prompt reuses, in this order of preference:
   crosses the link), or
 - a prefix another slot of the group is computing right now: the new slot waits until that
   slot's prompt has got there, then copies it, instead of evaluating it a second time, or
-- a prefix kept in the group's prompt cache (engine/prompt_cache.py): what a slot held before
+- a prefix kept in the group's prompt cache (engine/cache/prompt_cache.py): what a slot held before
   another request took it, saved as a copy into one of the group's extra sequences first.
 
 What may be reused is bounded by the model: a sliding-window model keeps only the last
@@ -34,32 +34,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine.cache.tokens import common_prefix, reusable
 from engine.errors import NativeError
-from engine.media import media_boundary
 
 if TYPE_CHECKING:
+    from engine.cache.prompt_cache import PromptCache
     from engine.config import EngineConfig
-    from engine.native import Context, Model
-    from engine.prompt_cache import PromptCache
+    from engine.native.context import Context
+    from engine.native.model import Model
     from engine.slots import Slot
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
-
-
-def _lcp(a: list[int] | np.ndarray, b: np.ndarray) -> int:
-    return common_prefix(np.asarray(a, np.int32), b)
-
-
-def _reusable(a: list[int] | np.ndarray, p: np.ndarray, cap: int) -> int:
-    """What ``p`` may reuse of a sequence holding ``a``: their common prefix, at most ``cap``,
-    never cutting through a medium (engine/media.py)."""
-    return media_boundary(p, min(_lcp(a, p), cap))
 
 
 def window_holds(ctx: Context, n_swa: int, seq_id: int, n: int) -> bool:
@@ -129,7 +112,7 @@ class PrefixCache:
         The last prompt token is always evaluated (its logits give the first token)."""
         p = np.asarray(prompt, np.int32)
         cap = len(prompt) - 1
-        n_own = _reusable(slot.cache_tokens, p, cap) if own and slot.cache_tokens else 0
+        n_own = reusable(slot.cache_tokens, p, cap) if own and slot.cache_tokens else 0
         if n_own and not self._can_keep(slot, n_own):
             n_own = 0  # what the slot holds cannot be cut back there: a window dropped it, or a recurrent state
         best = Reuse(own=n_own)
@@ -139,14 +122,14 @@ class PrefixCache:
         for o in [*(others if self.shareable else ()), *(self.kept.held() if self.kept else ())]:
             if o is slot or o.leader is not None:
                 continue  # a follower's KV is its leader's to give
-            n = _reusable(o.cache_tokens, p, cap) if o.cache_tokens else 0
+            n = reusable(o.cache_tokens, p, cap) if o.cache_tokens else 0
             if self.whole_only and n != len(o.cache_tokens):
                 continue
             if n >= need and n > best.n and window_holds(self.ctx, self.n_swa, o.seq_id, n):
                 best = Reuse(own=n_own, source=o, shared=n, ready=True)
             if o.req is not None and o.n_prompt_done < len(o.req.prompt_tokens):
                 # a prompt on its way: worth waiting for when it gives clearly more
-                m = _reusable(o.req.prompt_tokens, p, cap)
+                m = reusable(o.req.prompt_tokens, p, cap)
                 if m >= need and m >= best.n + self.share_min:
                     best = Reuse(own=n_own, source=o, shared=m, ready=o.n_prompt_done >= m)
         return best

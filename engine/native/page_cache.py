@@ -31,7 +31,7 @@ def tensor_ranges(path: str, prefixes: tuple[str, ...]) -> list[tuple[int, int]]
     """File ranges [start, end) of the data of the tensors whose names start with ``prefixes``."""
     if not prefixes:
         return []
-    from engine.gguf_shape import read_header
+    from engine.native.gguf_shape import read_header
 
     return sorted((t.data_offset, t.data_offset + t.n_bytes) for t in read_header(path).tensors
                   if t.name.startswith(prefixes))

@@ -19,9 +19,9 @@ from typing import Any
 
 import llama_cpp
 
-from engine.chat import Bound, ChatTemplate, TooLong
 from engine.errors import RequestError
-from engine.native import Model
+from engine.native.model import Model
+from engine.text.chat import Bound, ChatTemplate, TooLong
 
 # whitespace a special token with llama.cpp's LSTRIP / RSTRIP attribute swallows beside it
 # (Python's whitespace: a superset of the Unicode White_Space llama.cpp strips)

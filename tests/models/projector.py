@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.synthetic_model import finish
+from tests.models.synthetic import finish
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A group's context holds one KV sequence per slot and ``n_entries`` more, each a 
 When a request takes a slot whose KV it does not continue, what the slot held is first copied
 into an entry (saved) instead of being dropped; a later prompt that continues an entry's tokens
 takes them back as a copy into whatever slot of the group it gets (restored). The group's
-``PrefixCache`` makes both copies (engine/prefix.py); this module only keeps the entries'
+``PrefixCache`` makes both copies (engine/cache/prefix.py); this module only keeps the entries'
 bookkeeping and chooses which entry a save overwrites:
 
 - an entry that holds nothing, else
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.prefix import common_prefix
+from engine.cache.tokens import common_prefix
 from engine.slots import Slot
 
 LLAMA_MAX_SEQ = 256  # llama.cpp's bound on a context's sequences (src/llama-cparams.h)

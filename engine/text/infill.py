@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import llama_cpp
 
 from engine.errors import RequestError
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 SNIPPET = "\n\n--- snippet ---\n\n"  # between extra chunks of a model without a file separator
 
