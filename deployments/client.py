@@ -126,7 +126,8 @@ class EngineClient:
         conns = await self.out.connection()
         p = self.out.register(rid, req.n)
         try:
-            route = Route(tuple(conns), tuple(await sized(self.bodies, n_bytes, prefix_hashes, routing_text(req))))
+            route = Route(tuple(conns), tuple(await sized(self.bodies, n_bytes, prefix_hashes, routing_text(req),
+                                                           getattr(er, "cache_salt", ""))))
             res = await self.engine.submit.remote(conns, er, route=route, n_bytes=n_bytes)
         except BaseException:
             self.out.forget(rid, req.n)

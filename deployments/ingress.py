@@ -111,11 +111,12 @@ class Ingress:
         self,
         engine: Any,
         model_names: list[str],
-        api_key: str | None = None,
+        api_key: str | list[str] | None = None,
         request_timeout_s: float | None = None,
         max_body_bytes: int = 8 * 1024 * 1024,
         connect_timeout_s: float = 10.0,
         strict_request_fields: bool = False,
+        cache_salt_by_key: bool = False,
         guard: dict[str, Any] | None = None,
         http: tuple[str, int] | None = None,
         http_limits: dict[str, Any] | None = None,
@@ -130,7 +131,7 @@ class Ingress:
         self.model_names = model_names
         self.request_timeout_s = request_timeout_s
         self.bodies = ThreadPoolExecutor(BODY_THREADS, thread_name_prefix="ingress-bodies")
-        self.reader = RequestReader(api_key, strict_request_fields, model_names, self.bodies)
+        self.reader = RequestReader(api_key, strict_request_fields, model_names, self.bodies, cache_salt_by_key)
         self.check_auth, self.body_json, self.read = self.reader.check_auth, self.reader.body_json, self.reader.read
         self.ignored_fields = self.reader.ignored_fields
         self.client = EngineClient(engine, connect_timeout_s, request_timeout_s,

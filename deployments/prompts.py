@@ -72,14 +72,26 @@ class PromptMaker:
 
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                      cache_prompt: bool = True, n: int = 1, id_slot: int = -1, n_resumed: int = 0,
-                     media: tuple[bytes, ...] = (), marker: str = "") -> EngineRequest:
+                     media: tuple[bytes, ...] = (), marker: str = "", preserved: tuple[str, ...] = (),
+                     cache_salt: str = "") -> EngineRequest:
         """The request the engine runs; raises ``RequestError`` for what no slot can take. With
         ``media``, the text prompt holds ``marker`` where each goes: the text between is
         tokenised piece by piece (as mtmd does), each medium one ``MEDIA_SLOT`` the engine
-        replaces by its rows."""
+        replaces by its rows. ``preserved``: the special tokens (by their text) the answer shows
+        as text; ``cache_salt``: its prefixes are shared only with requests of the same salt."""
         tokens = self.media_tokens(prompt, media, marker) if media else self.tokenize_prompt(prompt)
         return EngineRequest.of(request_id, tokens, params, n=n, id_slot=id_slot, cache_prompt=cache_prompt,
-                                n_resumed=n_resumed, media=tuple(media))
+                                n_resumed=n_resumed, media=tuple(media), preserved=self.special_ids(preserved),
+                                cache_salt=cache_salt)
+
+    def special_ids(self, texts: tuple[str, ...]) -> tuple[int, ...]:
+        """The ids of the texts that are one special token of this vocabulary (others: none)."""
+        out = []
+        for t in texts:
+            ids = self.tokenizer.encode(t, add_special=False, parse_special=True)
+            if len(ids) == 1:
+                out.append(ids[0])
+        return tuple(out)
 
     def media_tokens(self, prompt: str | list[int], media: tuple[bytes, ...], marker: str) -> list[int]:
         from engine.errors import RequestError

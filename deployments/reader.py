@@ -28,18 +28,29 @@ async def take_body(request: Request) -> bytes:
 
 
 class RequestReader:
-    def __init__(self, api_key: str | None, strict: bool, model_names: list[str], bodies: ThreadPoolExecutor) -> None:
-        self.api_key, self.strict, self.model_names, self.bodies = api_key, strict, model_names, bodies
+    def __init__(self, api_key: str | list[str] | None, strict: bool, model_names: list[str], bodies: ThreadPoolExecutor,
+                 salt_by_key: bool = False) -> None:
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        self.api_keys = [k.encode() for k in keys if k]
+        self.api_key = bool(self.api_keys)
+        self.strict, self.model_names, self.bodies = strict, model_names, bodies
+        # a key's salt: a keyed hash of it, so the salt names no key where it is seen (logs, slots)
+        self.key_salts = [hmac.new(b"pgroups cache salt", k, "sha256").hexdigest()[:32] for k in self.api_keys] \
+            if salt_by_key else []
         self.ignored_fields: dict[str, int] = {}  # field name -> requests that sent it (each logged once)
 
-    def check_auth(self, request: Request) -> None:
-        if not self.api_key:
-            return
+    def check_auth(self, request: Request) -> int:
+        """The index of the request's API key among the server's (0 without keys); 401 otherwise."""
+        if not self.api_keys:
+            return 0
         h = request.headers.get("authorization", "")
         # Anthropic's clients send the key as x-api-key
-        token = h[7:] if h[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-        if not token or not hmac.compare_digest(token.encode(), self.api_key.encode()):
+        token = (h[7:] if h[:7].lower() == "bearer " else request.headers.get("x-api-key", "")).encode()
+        # every key compared, in constant time each: which one matched shows in no timing
+        matched = [hmac.compare_digest(token, k) for k in self.api_keys] if token else []
+        if not any(matched):
             raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)")
+        return matched.index(True)
 
     async def body_json(self, request: Request, raw: bytes | None = None) -> dict | None:
         """The body (``raw``, else read now) as a JSON object; None: no body."""
@@ -68,7 +79,7 @@ class RequestReader:
     async def read(self, request: Request, model_cls: type) -> tuple[Any, int]:
         """The request's body as ``model_cls``, checked (auth, JSON, fields), and the body's
         size; raises ``ApiError``. Neither the body nor its parsed form is kept past this."""
-        self.check_auth(request)
+        key = self.check_auth(request)
         raw = await take_body(request)
         n_bytes = len(raw)
         body = await self.body_json(request, raw)
@@ -78,4 +89,6 @@ class RequestReader:
         req = await sized(self.bodies, n_bytes, self._validate, model_cls, body)
         del body
         self._check_model(getattr(req, "model", None))
+        if self.key_salts and hasattr(req, "cache_salt"):  # the key's salt before the request's own
+            req.cache_salt = self.key_salts[key] + "/" + (req.cache_salt or "")
         return req, n_bytes

@@ -60,9 +60,11 @@ def known_replicas(deployment: str) -> set[str]:
     return set(_KNOWN.get(deployment, ()))
 
 
-def prefix_hashes(text: str | list[int]) -> list[str]:
-    """Chained hashes of the prompt's successive chunks (characters, or token ids)."""
-    out, h = [], hashlib.blake2b(digest_size=8)
+def prefix_hashes(text: str | list[int], salt: str = "") -> list[str]:
+    """Chained hashes of the prompt's successive chunks (characters, or token ids), keyed by the
+    request's ``cache_salt``: requests of two salts never share a prefix's replica."""
+    out, h = [], hashlib.blake2b(digest_size=8, key=hashlib.blake2b(salt.encode("utf-8", "surrogatepass"),
+                                                                     digest_size=32).digest() if salt else b"")
     if isinstance(text, list):
         chunks = [json.dumps(text[i:i + CHUNK_CHARS // 4]) for i in range(0, len(text), CHUNK_CHARS // 4)]
     else:

@@ -178,7 +178,7 @@ class Engine:
     def make_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
         cache_prompt: bool = True, n: int = 1, id_slot: int = -1, n_resumed: int = 0,
-        media: list[MediaSpan] | None = None,
+        media: list[MediaSpan] | None = None, preserved: tuple[int, ...] = (), cache_salt: str = "",
     ) -> Request:
         """Validate and tokenise; raises ``RequestError`` for what cannot be served. With
         ``n`` > 1 the request leads ``n - 1`` followers (see ``Request.followers``), whose
@@ -213,7 +213,8 @@ class Engine:
             seed = self.config.seed if self.config.seed >= 0 else random.randrange(0, 2**32 - 1 - n)
             params = params.model_copy(update={"seed": seed})
         r = Request(id=rid, prompt_tokens=tokens, params=params, n_predict=min(params.max_tokens, room),
-                    cache_prompt=cache_prompt, id_slot=id_slot, grammar=grammar, media=media or [])
+                    cache_prompt=cache_prompt, id_slot=id_slot, grammar=grammar, media=media or [],
+                    preserved=frozenset(t for t in preserved if 0 <= t < self.model.n_vocab), cache_salt=cache_salt)
         if n_resumed:
             self._advance(r, tokens[len(tokens) - n_resumed:])
         for i in range(1, n):
@@ -221,7 +222,7 @@ class Engine:
             r.followers.append(Request(id=f"{rid}#{i}", prompt_tokens=tokens, t_arrival=r.t_arrival,
                                        params=params.model_copy(update={"seed": seed_i}), n_predict=r.n_predict,
                                        cache_prompt=False, grammar=grammar.copy() if grammar else None,
-                                       media=r.media))
+                                       media=r.media, preserved=r.preserved, cache_salt=cache_salt))
         return r
 
     def accept(self, er: EngineRequest) -> Request:
@@ -242,7 +243,8 @@ class Engine:
                 raise RequestError(f"an image of {wide} rows attends to itself whole, past n_ubatch "
                                    f"{self.config.n_ubatch}: raise n_ubatch (and n_batch) or send a smaller image")
         return self.make_request(tokens, er.params, er.id, cache_prompt=er.cache_prompt, n=er.n,
-                                 id_slot=er.id_slot, n_resumed=er.n_resumed, media=spans)
+                                 id_slot=er.id_slot, n_resumed=er.n_resumed, media=spans, preserved=er.preserved,
+                                 cache_salt=er.cache_salt)
 
     def _advance(self, r: Request, generated: list[int]) -> None:
         """A resumed request's state after the tokens it generated before: its grammar has
@@ -257,7 +259,7 @@ class Engine:
                 raise RequestError(f"the resumed output does not match the request's grammar: {e}") from None
         text = TextStream(r.params.stop)
         for t in generated:
-            text.feed(self.tokenizer.piece(t, special=False))
+            text.feed(self.tokenizer.piece(t, special=t in r.preserved))
         if text.stopped_by is not None:
             raise RequestError("the resumed output holds one of the request's stop strings")
         r.n_resumed, r.text = len(generated), text

@@ -125,7 +125,7 @@ def plan_start(slot: Slot, r: Request, slots: list[Slot], prefix: PrefixCache, c
     if leader is not None:
         return Start(slot, r, Reuse(), leader)
     ok = cache_prompt and r.cache_prompt
-    return Start(slot, r, prefix.plan(slot, r.prompt_tokens, slots, own=ok, share=ok))
+    return Start(slot, r, prefix.plan(slot, r.prompt_tokens, slots, own=ok, share=ok, salt=r.cache_salt))
 
 
 def generating(active: list[Slot]) -> list[Slot]:

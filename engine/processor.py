@@ -237,7 +237,7 @@ class OutputProcessor:
                 prof.add("detok", time.perf_counter() - t0)
                 # the end-of-generation token is not text; what was held back is
                 return done(FinishReason.STOP, s.text.flush(), len(emitted) + 1)
-            piece = self.tok.piece(tok, special=False)
+            piece = self.tok.piece(tok, special=tok in s.req.preserved)
             t1 = time.perf_counter()
             prof.add("detok", t1 - t0)
             texts.append(s.text.feed(piece))

@@ -49,6 +49,7 @@ def choose_slot(
     decoding: dict[int, int] | None = None,
     long_prompt: int = 0,
     kept: dict[int, int] | None = None,
+    salt: str = "",
 ) -> SlotView:
     """The slot for a new prompt.
 
@@ -97,7 +98,7 @@ def choose_slot(
         # what the slot holds past the prompt's prefix: saved into the prompt cache or dropped
         return v.n_cached - lcp[v.id]
 
-    lcp = {v.id: common_prefix(v.cached_tokens, prompt) for v in idle}
+    lcp = {v.id: common_prefix(v.cached_tokens, prompt) if v.cache_salt == salt else 0 for v in idle}
     best = max(lcp.values())
     in_group = {v.group: h if (h := (held or {}).get(v.group, 0)) >= min_shared else 0 for v in idle}
     best_held = max(in_group.values())
@@ -155,8 +156,8 @@ class Scheduler:
         self._deferred: dict[str, int] = {}
         self._running: dict[str, Request] = {}
         self._slot_request: dict[int, str] = {}
-        self._slot_prompt: dict[int, np.ndarray] = {}  # a busy slot's prompt: its KV will hold it
-        self._kept: dict[int, list[np.ndarray]] = {}  # group -> the tokens its prompt cache's entries hold
+        self._slot_prompt: dict[int, tuple[str, np.ndarray]] = {}  # a busy slot's salt and prompt: its KV will hold it
+        self._kept: dict[int, list[tuple[str, np.ndarray]]] = {}  # group -> its prompt cache's entries' salts, tokens
         self.share_prefix = share_prefix  # groups share prefixes between their slots
         self.share_min = share_min  # ... of at least this many tokens
         self._dispatch = dispatch
@@ -224,16 +225,17 @@ class Scheduler:
         prompt = np.asarray(r.prompt_tokens, dtype=np.int32)
         held = None
         if self.share_prefix and r.cache_prompt:
-            held = group_prefixes([(w.group, w.cached_tokens) for w in self._views.values()]
-                                  + [(self._views[sid].group, p) for sid, p in self._slot_prompt.items()]
-                                  + [(g, t) for g, ts in self._kept.items() for t in ts], prompt)
+            salt = r.cache_salt  # a prefix of another salt's is nobody's to route by
+            held = group_prefixes([(w.group, w.cached_tokens) for w in self._views.values() if w.cache_salt == salt]
+                                  + [(self._views[sid].group, p) for sid, (s, p) in self._slot_prompt.items() if s == salt]
+                                  + [(g, t) for g, ts in self._kept.items() for s, t in ts if s == salt], prompt)
         if r.id_slot >= 0:
             v = self._views[r.id_slot]
         else:
             v = choose_slot(idle, prompt, self._last_used, self.similarity, busy, held, self.share_min,
-                            decoding, self.long_prompt, {g: len(ts) for g, ts in self._kept.items()})
+                            decoding, self.long_prompt, {g: len(ts) for g, ts in self._kept.items()}, r.cache_salt)
         if held:
-            here = max(held.get(v.group, 0), common_prefix(v.cached_tokens, prompt))
+            here = max(held.get(v.group, 0), common_prefix(v.cached_tokens, prompt) if v.cache_salt == r.cache_salt else 0)
             elsewhere = max(held.values()) - here
             if elsewhere >= self.share_min:
                 self.n_elsewhere += 1
@@ -245,11 +247,11 @@ class Scheduler:
             member.slot_id = slot.id
             self._running[member.id] = member
             self._slot_request[slot.id] = member.id
-            self._slot_prompt[slot.id] = prompt
+            self._slot_prompt[slot.id] = (r.cache_salt, prompt)
         self._dispatch(v.group, r)
 
-    def kept(self, group: int, tokens: list[np.ndarray]) -> None:
-        """A group's prompt cache holds ``tokens`` (one array an entry) now."""
+    def kept(self, group: int, tokens: list[tuple[str, np.ndarray]]) -> None:
+        """A group's prompt cache holds ``tokens`` (one salt and array an entry) now."""
         with self._lock:
             self._kept[group] = tokens
 
@@ -327,15 +329,15 @@ class Scheduler:
         another group holds clearly more of (in a slot or its prompt cache): one pass over what
         every slot and entry holds."""
         groups = {self._views[i].group for i in self._idle}
-        held = [(i in self._idle, v.cached_tokens) for i, v in self._views.items()] + [
-            (g in groups, t) for g, ts in self._kept.items() for t in ts]
+        held = [(i in self._idle, v.cache_salt, v.cached_tokens) for i, v in self._views.items()] + [
+            (g in groups, s, t) for g, ts in self._kept.items() for s, t in ts]
         here: dict[str, int] = {}
         away: set[str] = set()
         for r in fit:
             p = np.asarray(r.prompt_tokens, dtype=np.int32)
             on_free = anywhere = 0
-            for free, t in held:
-                n = common_prefix(t, p)
+            for free, salt, t in held:
+                n = common_prefix(t, p) if salt == r.cache_salt else 0
                 anywhere = max(anywhere, n)
                 if free:
                     on_free = max(on_free, n)

@@ -66,6 +66,7 @@ class SlotView:
     n_cached: int
     request_id: str | None
     cached_tokens: np.ndarray = field(repr=False, compare=False)
+    cache_salt: str = ""  # the salt of the requests whose KV it holds (only theirs reuse it)
 
 
 @dataclass(eq=False)
@@ -74,6 +75,7 @@ class Slot:
     group: int
     seq_id: int
     cache_tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the sequence
+    cache_salt: str = ""  # the cache_salt of the requests that wrote that KV: only theirs may reuse it
     state: SlotState = SlotState.IDLE
     req: Request | None = None
     sampler: SamplerChain | None = None
@@ -163,4 +165,5 @@ class Slot:
             n_cached=len(self.cache_tokens),
             request_id=self.req.id if self.req else None,
             cached_tokens=np.asarray(self.cache_tokens, dtype=np.int32),
+            cache_salt=self.cache_salt,
         )

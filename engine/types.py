@@ -58,6 +58,11 @@ class EngineRequest:
     cache_prompt: bool = True
     n_resumed: int = 0
     media: tuple[bytes, ...] = ()
+    # special tokens rendered as text in the answer (llama.cpp's preserved tokens: the markup a
+    # model family's answers are parsed by, such as gpt-oss's <|channel|>)
+    preserved: tuple[int, ...] = ()
+    # prefixes are reused only between requests of the same salt (vLLM's cache_salt)
+    cache_salt: str = ""
 
     @classmethod
     def of(cls, request_id: str, tokens: list[int], params: SamplingParams, **kw: Any) -> EngineRequest:
@@ -108,6 +113,8 @@ class Request:
     text: Any = None
     # the prompt's media (engine.media.MediaSpan: first position, embedding rows), in order
     media: list = field(default_factory=list)
+    preserved: frozenset[int] = frozenset()  # special tokens its text renders (EngineRequest.preserved)
+    cache_salt: str = ""  # reuses KV only of requests with the same salt
 
     @property
     def family(self) -> list[Request]:

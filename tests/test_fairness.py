@@ -126,7 +126,7 @@ def test_a_conversation_another_group_holds_waits_for_that_group_not_aged_into_t
     # two groups of one slot; group 1's prompt cache holds conversation A's history
     b = Bed(2, 2, aging=2, share_prefix=True, share_min=4)
     hist = list(range(70_000, 70_300))  # shares nothing with the other prompts
-    b.s.kept(1, [np.asarray(hist, np.int32)])
+    b.s.kept(1, [("", np.asarray(hist, np.int32))])
     b.submit("x0")
     b.submit("x1")
     assert {r.slot_id for r in b.started} == {0, 1}
@@ -139,7 +139,7 @@ def test_a_conversation_another_group_holds_waits_for_that_group_not_aged_into_t
     assert b.last() == ("a", 1)
     # alone in the queue, A's next turn leaves group 0's free slot idle for a while (each event
     # counts), then takes it rather than wait on
-    b.s.kept(1, [np.asarray(hist + [1, 2, 3], np.int32)])
+    b.s.kept(1, [("", np.asarray(hist + [1, 2, 3], np.int32))])
     b.submit("a2", tokens=[*hist, 1, 2, 3, 4])  # both slots busy: it waits
     b.finish(0)  # group 0's slot frees; group 1's runs A
     assert b.last() == ("a", 1) and b.s.counts() == (1, 1)

@@ -218,7 +218,7 @@ def test_entries_tokens_reach_the_scheduler(make_engine):
     run(e, SYSTEM + user(0, 0))
     run(e, user(1, 0))  # takes the slot: the first conversation is saved
     kept = e.scheduler._kept[0]
-    assert len(kept) == 1 and np.array_equal(kept[0][: len(SYSTEM)], SYSTEM)
+    assert len(kept) == 1 and kept[0][0] == "" and np.array_equal(kept[0][1][: len(SYSTEM)], SYSTEM)
 
 
 # ---- a hybrid model: attention layers and recurrent ones (Qwen3.5's shape) -------------------------

@@ -16,6 +16,7 @@ from pydantic import Field, PrivateAttr, model_validator
 
 from deployments.api.base import Answer, ApiModel, Call, Generate, sse
 from deployments.api.openai import ChatCompletionRequest, chat_prompt
+from engine.text.answer import AnswerReader, harmony_only, read_answer
 from engine.types import Output
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ class MessagesRequest(ApiModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
     stream: bool = False
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256, description="vLLM's: the prompt "
+                                   "reuses cached KV only of requests with the same salt (a tenant's own; docs/security.md).")
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = Field(
@@ -91,6 +94,8 @@ class MessagesRequest(ApiModel):
                                 "model": self.model}
         if self.stop_sequences:
             body["stop"] = self.stop_sequences
+        if self.cache_salt is not None:
+            body["cache_salt"] = self.cache_salt
         for k in ("temperature", "top_p", "top_k"):
             if getattr(self, k) is not None:
                 body[k] = getattr(self, k)
@@ -199,7 +204,8 @@ class MessagesShaper:
         self.model = a.model
         self.tools = tools = a.submitted.tools
         self.parts: list[str] = []
-        self._calls = tools.stream() if tools else None
+        self.plan = harmony_only(a.submitted.reasoning)
+        self._answer = AnswerReader(self.plan, tools)
         self.prompt_tokens = a.submitted.prompt_tokens
         self.last: Output | None = None
         self._text_open = False
@@ -231,9 +237,7 @@ class MessagesShaper:
         final = self.last
         assert final is not None
         text = "".join(self.parts)
-        calls: list[dict[str, Any]] = []
-        if self.tools:
-            text, calls = self.tools.read(text)
+        _, text, calls = read_answer(self.plan, self.tools, text)
         content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
         content += [_tool_use(c) for c in calls]
         reason, seq = self._stop(final, bool(calls))
@@ -263,15 +267,13 @@ class MessagesShaper:
         text = "".join(o.text for o in batch)
         if not text:
             return b""
-        return self._text(self._calls.feed(text) if self._calls is not None else text)
+        return self._text(self._answer.feed(text)[1])
 
     def closing(self) -> bytes:
         final = self.last
         assert final is not None
-        out, calls = b"", []
-        if self._calls is not None:
-            rest, calls = self._calls.finish()
-            out += self._text(rest)
+        _, rest, calls = self._answer.finish()
+        out = self._text(rest)
         if self._text_open:
             out += self.event("content_block_stop", index=self._index)
             self._index += 1

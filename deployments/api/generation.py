@@ -90,6 +90,8 @@ class GenerationRequest(ApiModel):
                          "it is free; -1: the scheduler picks (longest cached prefix).")
     typ_p: float | None = Field(default=None, gt=0.0, le=1.0, description="llama-server's name of typical_p.")
     cache_prompt: bool = Field(default=True, description="Reuse the slot's cached prefix for this request (llama-server).")
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256, description="vLLM's: the prompt "
+                                   "reuses cached KV only of requests with the same salt (a tenant's own; docs/security.md).")
     t_max_predict_ms: int | None = Field(
         default=None, ge=0, description="llama-server's time limit of the generation, from the first token: past it, "
         "the output ends (finish_reason length) at its next newline.")

@@ -29,8 +29,9 @@ from deployments.api.embeddings import EMBEDDINGS
 from deployments.api.generation import GenerationRequest, prompt_progress, timings
 from deployments.api.media import CHAT_MARKER, MediaBag
 from deployments.api.values import Prepared, ToolSettings
-from engine.text.reasoning import ReasoningPlan, ReasoningSplitter, split_reasoning
-from engine.text.tools import ToolPlan, check_tools, chosen, tool_finish
+from engine.text.answer import AnswerReader, preserved_tokens, read_answer
+from engine.text.reasoning import ReasoningPlan
+from engine.text.tools import ToolPlan, arg_types, check_tools, chosen, tool_finish
 from engine.types import Output
 
 if TYPE_CHECKING:
@@ -77,7 +78,8 @@ class CompletionRequest(GenerationRequest):
         """The engine's request (on the engine replica, off its event loop)."""
         prompt = self.engine_prompt(engine)
         r = engine.make_request(prompt, self.sampling(engine.n_ctx_slot), request_id, cache_prompt=self.cache_prompt,
-                                n=self.n, id_slot=self.id_slot, media=self._media, marker=media.MEDIA_MARKER)
+                                n=self.n, id_slot=self.id_slot, media=self._media, marker=media.MEDIA_MARKER,
+                                cache_salt=self.cache_salt or "")
         echo = None
         if self.echo:  # after make_request: token ids are checked there (400), not decoded blind
             echo = prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)
@@ -140,9 +142,10 @@ class ChatCompletionRequest(GenerationRequest):
         """The engine's request, its tool parser's settings and its reasoning split."""
         prompt, params, plan = chat_prompt(engine.tokenizer, self, engine.n_ctx_slot, engine.slot_limit)
         thinking = ReasoningPlan.make(self.reasoning_format, engine.tokenizer.template.source or "", prompt)
+        tools = ToolSettings(tuple(plan.names), plan.parallel, plan.format, arg_types(plan.tools)) if plan.active else None
         r = engine.make_request(prompt, params, request_id, cache_prompt=self.cache_prompt, n=self.n,
-                                id_slot=self.id_slot, media=self.media, marker=CHAT_MARKER)
-        tools = ToolSettings(tuple(plan.names), plan.parallel) if plan.active else None
+                                id_slot=self.id_slot, media=self.media, marker=CHAT_MARKER,
+                                preserved=preserved_tokens(thinking, tools), cache_salt=self.cache_salt or "")
         return Prepared(r, tools=tools, reasoning=thinking)
 
 
@@ -268,7 +271,6 @@ class Choice:
                  reasoning: ReasoningPlan | None = None) -> None:
         self.index = index
         self.reasoning = reasoning if kind == "chat" else None
-        self._thinking = ReasoningSplitter(self.reasoning) if self.reasoning is not None else None
         self.kind = kind
         self.parts: list[str] = []
         self.entries: list[tuple] = []
@@ -276,7 +278,7 @@ class Choice:
         self.want_logprobs = want_logprobs
         self.tools = tools
         self._shaper = LogprobsShaper(kind) if want_logprobs else None
-        self._calls = tools.stream() if tools is not None else None
+        self._answer = AnswerReader(self.reasoning, tools) if kind == "chat" else None
 
     @property
     def finished(self) -> bool:
@@ -297,15 +299,12 @@ class Choice:
         finish = self.last.finish_reason
         if self.kind != "chat":
             return {"index": self.index, "text": text, "finish_reason": finish, "logprobs": lp}
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if self.reasoning is not None:
-            thinking, text = split_reasoning(self.reasoning, text)
-            message = {"role": "assistant", "content": text, **({"reasoning_content": thinking} if thinking else {})}
-        if self.tools is not None:
-            content, calls = self.tools.read(text)
-            if calls:
-                message = {**message, "content": content or None, "tool_calls": calls}
-                finish = tool_finish(finish)
+        thinking, content, calls = read_answer(self.reasoning, self.tools, text)
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else ""),
+                                   **({"reasoning_content": thinking} if thinking else {})}
+        if calls:
+            message["tool_calls"] = calls
+            finish = tool_finish(finish)
         return {"index": self.index, "message": message, "finish_reason": finish, "logprobs": lp}
 
     # ---- the stream ---------------------------------------------------------------------------
@@ -315,14 +314,12 @@ class Choice:
         caller sends the error); ``usage`` goes on its closing chunk."""
         self.last = outs[-1]
         text = "".join(o.text for o in outs)
-        thinking = ""
-        if self._thinking is not None:
-            thinking, text = self._thinking.feed(text)
-            if self.last.finish_reason is not None:
-                more, rest = self._thinking.finish()
+        thinking, calls = "", None
+        if self._answer is not None:
+            thinking, text = self._answer.feed(text)
+            if self.last.finish_reason is not None and not self.last.failed:
+                more, rest, calls = self._answer.finish()
                 thinking, text = thinking + more, text + rest
-        if self._calls is not None:
-            text = self._calls.feed(text)
         lp = None
         if self._shaper is not None:
             entries = [e for o in outs if o.logprobs for e in o.logprobs]
@@ -331,14 +328,11 @@ class Choice:
         head = ev.chunk(None, None, index=self.index, reasoning=thinking) if thinking else b""
         if finish is None or self.last.failed:
             return head + (ev.chunk(text, None, logprobs=lp, index=self.index) if text or lp else b"")
-        return head + self._closing(ev, text, lp, finish, usage)
+        return head + self._closing(ev, text, lp, finish, usage, calls)
 
-    def _closing(self, ev: SseEvents, text: str, lp: dict | None, finish: Any, usage: dict | None) -> bytes:
-        calls = None
-        if self._calls is not None:  # the held text: content, then the calls it holds
-            rest, calls = self._calls.finish()
-            text += rest
-            finish = tool_finish(finish) if calls else finish
+    def _closing(self, ev: SseEvents, text: str, lp: dict | None, finish: Any, usage: dict | None,
+                 calls: list[dict[str, Any]] | None) -> bytes:
+        finish = tool_finish(finish) if calls else finish
         last = self.last
         if calls:
             return (ev.chunk(text, None, logprobs=lp, index=self.index) if text or lp else b"") \

@@ -14,6 +14,7 @@ from pydantic import Field, PrivateAttr, model_validator
 from deployments.api.base import Answer, ApiModel, Generate, now, sse
 from deployments.api.generation import sampling_field
 from deployments.api.openai import ChatCompletionRequest
+from engine.text.answer import AnswerReader, harmony_only, read_answer
 from engine.types import Output
 
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -72,6 +73,8 @@ class ResponsesRequest(ApiModel):
     temperature: float | None = sampling_field("temperature")
     top_p: float | None = sampling_field("top_p")
     stream: bool = False
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256, description="vLLM's: the prompt "
+                                   "reuses cached KV only of requests with the same salt (a tenant's own; docs/security.md).")
     text: dict[str, Any] | None = Field(default=None, description='{"format": {"type": "text" | "json_object" | "json_schema", ...}}')
     tools: list[dict[str, Any]] | None = Field(default=None, description="Function tools: {type: function, name, "
                                                "description, parameters}; other tool types are a 400.")
@@ -148,7 +151,7 @@ class ResponsesRequest(ApiModel):
         body: dict[str, Any] = {"messages": self.messages(), "stream": self.stream, "model": self.model,
                                 "response_format": None if forced else self.response_format()}
         for k, v in (("max_tokens", self.max_output_tokens), ("temperature", self.temperature), ("top_p", self.top_p),
-                     ("parallel_tool_calls", self.parallel_tool_calls)):
+                     ("parallel_tool_calls", self.parallel_tool_calls), ("cache_salt", self.cache_salt)):
             if v is not None:
                 body[k] = v
         if self.tools:
@@ -177,7 +180,8 @@ class ResponsesShaper:
             "metadata": req.metadata or {},
         }
         self.tools = a.submitted.tools
-        self._stream = self.tools.stream() if self.tools is not None else None
+        self.plan = harmony_only(a.submitted.reasoning)
+        self._stream = AnswerReader(self.plan, self.tools)
         self.created = now()
         self.seq = 0
         self.raw: list[str] = []  # the whole answer's text as generated
@@ -230,8 +234,7 @@ class ResponsesShaper:
 
     def final(self) -> dict[str, Any]:
         text = "".join(self.raw)
-        if self.tools is not None:
-            text, self.calls = self.tools.read(text)
+        _, text, self.calls = read_answer(self.plan, self.tools, text)
         self.parts = [text]
         return self.response(self._status())
 
@@ -263,16 +266,14 @@ class ResponsesShaper:
     def events(self, batch: list[Output]) -> bytes:
         self.last = batch[-1]
         text = "".join(o.text for o in batch)
-        if self._stream is not None:
-            text = self._stream.feed(text)
+        text = self._stream.feed(text)[1]
         return self._text(text) if text else b""
 
     def closing(self) -> bytes:
         out = b""
-        if self._stream is not None:
-            rest, self.calls = self._stream.finish()
-            if rest:
-                out += self._text(rest)
+        _, rest, self.calls = self._stream.finish()
+        if rest:
+            out += self._text(rest)
         if not self._open and not self.calls:
             out += self._text("")  # a plain answer always has its message, empty or not
         if self._open:

@@ -9,25 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from deployments.contract import Embedded, Submitted  # noqa: F401 - the engine's answers, re-exported
-from engine.text.tools import ToolCallStream, limit_calls, parse_tool_calls
+from engine.text.answer import ToolReading
 from engine.types import EngineRequest
 
-
-@dataclass(frozen=True)
-class ToolSettings:
-    """How the ingress reads a tools request's answer: the offered functions' names, and
-    whether several calls are allowed."""
-
-    names: tuple[str, ...]
-    parallel: bool
-
-    def read(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """``(content, calls)`` of a whole answer, the calls cut to one without parallel calls."""
-        content, calls = parse_tool_calls(text, list(self.names))
-        return content, limit_calls(calls, self.parallel)
-
-    def stream(self) -> ToolCallStream:
-        return ToolCallStream(list(self.names), self.parallel)
+ToolSettings = ToolReading  # how the ingress reads a tools request's answer (engine.text.answer)
 
 
 @dataclass(frozen=True)
@@ -56,6 +41,8 @@ class ResumeSpec:
     cache_prompt: bool
     id_slot: int
     media: tuple[bytes, ...] = ()  # re-sent with the continuation: its images, not an error
+    preserved: tuple[int, ...] = ()
+    cache_salt: str = ""
 
     @classmethod
     def of(cls, er: EngineRequest, res: Submitted) -> ResumeSpec:
@@ -66,7 +53,8 @@ class ResumeSpec:
         if res.seed is not None and p.seed is None:
             p = p.model_copy(update={"seed": res.seed})
         params = [p] + [p.model_copy(update={"seed": (p.seed + i) % SEED_SPACE}) for i in range(1, er.n)]
-        return cls(er.prompt, tuple(params), res.n_predict, er.cache_prompt, er.id_slot, er.media)
+        return cls(er.prompt, tuple(params), res.n_predict, er.cache_prompt, er.id_slot, er.media, er.preserved,
+                   er.cache_salt)
 
     @property
     def n_prompt(self) -> int:
@@ -83,4 +71,4 @@ class ResumeSpec:
             update["seed"] = (params.seed + len(generated)) % SEED_SPACE
         return EngineRequest(request_id, self.prompt + array("i", generated).tobytes(), params.model_copy(update=update),
                              id_slot=self.id_slot, cache_prompt=self.cache_prompt, n_resumed=len(generated),
-                             media=self.media)
+                             media=self.media, preserved=self.preserved, cache_salt=self.cache_salt)

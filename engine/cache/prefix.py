@@ -107,12 +107,14 @@ class PrefixCache:
 
     # ---- what a prompt may reuse (no writes) ------------------------------------------------
 
-    def plan(self, slot: Slot, prompt: list[int], others: list[Slot], *, own: bool, share: bool) -> Reuse:
+    def plan(self, slot: Slot, prompt: list[int], others: list[Slot], *, own: bool, share: bool,
+             salt: str = "") -> Reuse:
         """The best reuse for ``prompt`` on ``slot``; ``others`` are the group's other slots.
-        The last prompt token is always evaluated (its logits give the first token)."""
+        The last prompt token is always evaluated (its logits give the first token). Only KV
+        written under the request's ``salt`` is reused."""
         p = np.asarray(prompt, np.int32)
         cap = len(prompt) - 1
-        n_own = reusable(slot.cache_tokens, p, cap) if own and slot.cache_tokens else 0
+        n_own = reusable(slot.cache_tokens, p, cap) if own and slot.cache_tokens and slot.cache_salt == salt else 0
         if n_own and not self._can_keep(slot, n_own):
             n_own = 0  # what the slot holds cannot be cut back there: a window dropped it, or a recurrent state
         best = Reuse(own=n_own)
@@ -120,14 +122,14 @@ class PrefixCache:
             return best
         need = n_own + self.share_min
         for o in [*(others if self.shareable else ()), *(self.kept.held() if self.kept else ())]:
-            if o is slot or o.leader is not None:
-                continue  # a follower's KV is its leader's to give
+            if o is slot or o.leader is not None or o.cache_salt != salt:
+                continue  # a follower's KV is its leader's to give; another salt's is not this one's
             n = reusable(o.cache_tokens, p, cap) if o.cache_tokens else 0
             if self.whole_only and n != len(o.cache_tokens):
                 continue
             if n >= need and n > best.n and window_holds(self.ctx, self.n_swa, o.seq_id, n):
                 best = Reuse(own=n_own, source=o, shared=n, ready=True)
-            if o.req is not None and o.n_prompt_done < len(o.req.prompt_tokens):
+            if o.req is not None and o.n_prompt_done < len(o.req.prompt_tokens) and o.req.cache_salt == salt:
                 # a prompt on its way: worth waiting for when it gives clearly more
                 m = reusable(o.req.prompt_tokens, p, cap)
                 if m >= need and m >= best.n + self.share_min:
@@ -208,6 +210,7 @@ class PrefixCache:
                 self.ctx.seq_rm(dst.seq_id, 0, -1)
                 return False
         dst.cache_tokens.extend(src.cache_tokens[:n])
+        dst.cache_salt = src.cache_salt
         return True
 
     def applied(self) -> None:
@@ -225,8 +228,10 @@ class PrefixCache:
         return slot.seq_id in self.pending.values()
 
     def extend(self, slot: Slot, tokens: list[int]) -> None:
-        """The decode that just ran put ``tokens`` in the slot's KV."""
+        """The decode that just ran put ``tokens`` in the slot's KV (its request's salt's, now)."""
         slot.cache_tokens.extend(tokens)
+        if slot.req is not None:
+            slot.cache_salt = slot.req.cache_salt
 
     def cut(self, slot: Slot, n: int) -> None:
         """Drop everything from position ``n`` on (rejected draft tokens)."""
@@ -242,8 +247,9 @@ class PrefixCache:
         return n
 
     def load(self, slot: Slot, tokens: list[int]) -> None:
-        """The slot's KV was restored from a file and holds ``tokens``."""
+        """The slot's KV was restored from a file and holds ``tokens`` (of no salt)."""
         slot.cache_tokens[:] = tokens
+        slot.cache_salt = ""
 
 
 def group_prefixes(held: list[tuple[int, np.ndarray]], prompt: np.ndarray) -> dict[int, int]:

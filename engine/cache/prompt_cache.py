@@ -148,9 +148,9 @@ class PromptCache:
         self.n_hits += 1
         self.n_reused += n
 
-    def views(self) -> list[np.ndarray]:
-        """The tokens each entry holds, for the scheduler (copies)."""
-        return [np.asarray(e.cache_tokens, np.int32) for e in self.entries if e.cache_tokens]
+    def views(self) -> list[tuple[str, np.ndarray]]:
+        """The salt and the tokens of each entry, for the scheduler (copies)."""
+        return [(e.cache_salt, np.asarray(e.cache_tokens, np.int32)) for e in self.entries if e.cache_tokens]
 
     def stats(self) -> CacheStats:
         held = self.held()

@@ -7,11 +7,15 @@ names) that part goes out as ``reasoning_content`` (the message's, and the strea
 the rest as ``content``; ``deepseek-legacy`` also keeps the whole text in ``content``; ``none``
 leaves the text whole. A template that opens the thinking
 itself (its generation prompt ends with the start marker) starts the answer inside it.
+gpt-oss's harmony answers carry their thinking in a channel of their own (``engine.text.harmony``;
+``none`` leaves it in the content as written).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from engine.text.harmony import is_harmony
 
 # (start, end) of the thinking part, by template family
 MARKERS = (
@@ -31,6 +35,7 @@ class ReasoningPlan:
     end: str
     open: bool = False
     legacy: bool = False  # deepseek-legacy: the content keeps the whole text too
+    harmony: bool = False  # gpt-oss: the analysis channel is the thinking (engine.text.harmony)
 
     @classmethod
     def make(cls, fmt: str | None, template_source: str, prompt: str) -> ReasoningPlan | None:
@@ -39,6 +44,8 @@ class ReasoningPlan:
         fmt = fmt or "auto"
         if fmt not in FORMATS:
             raise ValueError(f"reasoning_format {fmt!r} is not one of {', '.join(FORMATS)}")
+        if is_harmony(template_source):  # its answers are read as harmony whatever the format
+            return cls("", "", legacy=fmt == "none", harmony=True)  # legacy here: the analysis left as written
         if fmt == "none":
             return None
         pair = next(((s, e) for s, e in MARKERS if s in template_source), None)

@@ -456,9 +456,10 @@ class ToolCallStream:
     could begin a call marker; from a marker on (or from an answer that opens with a JSON
     value) the text is held and parsed into calls at the end."""
 
-    def __init__(self, names: list[str], parallel: bool = True) -> None:
+    def __init__(self, names: list[str], parallel: bool = True, types: ArgTypes | None = None) -> None:
         self.names = names
         self.parallel = parallel
+        self.types = types
         self.held = ""
         self.holding = False  # a call has (maybe) started: hold the rest
         self.sent_any = False
@@ -487,7 +488,7 @@ class ToolCallStream:
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """What is left: ``(content, calls)``."""
-        content, calls = parse_tool_calls(self.held, self.names)
+        content, calls = parse_tool_calls(self.held, self.names, self.types)
         return content, limit_calls(calls, self.parallel)
 
 

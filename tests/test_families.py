@@ -1,0 +1,213 @@
+"""Answers of the model families users split, read back as llama-server ``--jinja`` reads them:
+gpt-oss (harmony), Qwen3-Coder, GLM 4.5, DeepSeek V3.1, Kimi K2, beside Hermes. Each fixture is an
+answer as the family writes it (plain, thinking, one call, parallel calls, arguments with quotes,
+newlines and unicode, a call cut by max_tokens); each is read whole and streamed a character at
+a time, and both must agree."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.text.answer import AnswerReader, ToolReading, preserved_tokens, read_answer
+from engine.text.harmony import parse_harmony
+from engine.text.reasoning import ReasoningPlan
+from engine.text.tools import ToolFormat, ToolPlan, arg_types, detect_format
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"},
+        "units": {"enum": ["c", "f"]}, "opts": {"type": "object"}}}}},
+    {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
+        "q": {"type": "string"}}}}},
+]
+NAMES = ("get_weather", "search")
+
+# templates reduced to the markup each family's chat template shows (the models' own templates
+# hold these; llama.cpp's chat layer detects the family by them)
+TEMPLATES = {
+    ToolFormat.HARMONY: "{{- '<|start|>assistant<|channel|>final<|message|>' }}{% for tool in tools %}{% endfor %}",
+    ToolFormat.QWEN3_CODER: "{% if tools %}<tools>{% for tool in tools %}{% endfor %}<tool_call>\n<function=name>\n"
+                            "<parameter=p>\nvalue\n</parameter>\n</function>\n</tool_call>{% endif %}<|im_start|>",
+    ToolFormat.GLM45: "[gMASK]<sop>{% if tools %}<tool_call>{function-name}\n<arg_key>{k}</arg_key>\n"
+                      "<arg_value>{v}</arg_value>\n</tool_call>{% endif %}",
+    ToolFormat.DEEPSEEK_V31: "{% if tools %}{% endif %}<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>",
+    ToolFormat.KIMI_K2: "{% if tools %}<|tool_calls_section_begin|><|tool_call_begin|>{% endif %}",
+    ToolFormat.HERMES: "{% if tools %}<tools></tools><tool_call>{\"name\": ...}</tool_call>{% endif %}",
+}
+
+
+@pytest.mark.parametrize("fmt", list(TEMPLATES))
+def test_each_family_is_told_by_its_template(fmt: ToolFormat) -> None:
+    assert detect_format(TEMPLATES[fmt], builtin=False) is fmt
+
+
+def test_a_template_without_tools_stays_generic_but_harmony_is_harmony_always() -> None:
+    assert detect_format("{{ messages }}", builtin=False) is ToolFormat.GENERIC
+    assert detect_format("<|start|>{{ messages }}<|channel|>", builtin=False) is ToolFormat.HARMONY
+
+
+def reading(fmt: ToolFormat, parallel: bool = True) -> ToolReading:
+    return ToolReading(NAMES, parallel, fmt, arg_types(TOOLS))
+
+
+def both_ways(plan: ReasoningPlan | None, tools: ToolReading | None, text: str) -> tuple[str, str, list[dict]]:
+    """The whole answer's reading, checked against the stream's (a character a step)."""
+    whole = read_answer(plan, tools, text)
+    r = AnswerReader(plan, tools)
+    parts = [r.feed(ch) for ch in text]
+    more, rest, calls = r.finish()
+    streamed = ("".join(p[0] for p in parts) + more, "".join(p[1] for p in parts) + rest)
+    assert streamed[0] == whole[0]
+    assert streamed[1].strip() == whole[1].strip()
+    assert [c["function"] for c in calls] == [c["function"] for c in whole[2]]
+    return whole
+
+
+def args(call: dict) -> dict:
+    return json.loads(call["function"]["arguments"])
+
+
+# ---- gpt-oss: harmony ------------------------------------------------------------------------------
+
+HARMONY = ReasoningPlan.make("auto", TEMPLATES[ToolFormat.HARMONY], "<|start|>assistant")
+
+
+def test_harmony_plain_answer_is_content_and_its_analysis_reasoning() -> None:
+    text = ("<|channel|>analysis<|message|>The user greets. Answer briefly.<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>Hello! How can I help?")
+    assert both_ways(HARMONY, None, text) == ("The user greets. Answer briefly.", "Hello! How can I help?", [])
+
+
+def test_harmony_a_call_is_a_tool_call_with_its_arguments() -> None:
+    text = ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris \\"Nord\\"\\nline", "days": 2}')
+    reasoning, content, calls = both_ways(HARMONY, reading(ToolFormat.HARMONY), text)
+    assert reasoning == "Need weather." and content == ""
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert args(calls[0]) == {"city": 'Paris "Nord"\nline', "days": 2}
+
+
+def test_harmony_the_recipient_before_the_channel_and_parallel_calls() -> None:
+    text = ('<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"q": "日本"}<|call|>'
+            '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}')
+    _, content, calls = both_ways(HARMONY, reading(ToolFormat.HARMONY), text)
+    assert content == "" and [(c["function"]["name"], args(c)) for c in calls] == [
+        ("search", {"q": "日本"}), ("get_weather", {"city": "Oslo"})]
+    _, _, one = read_answer(HARMONY, reading(ToolFormat.HARMONY, parallel=False), text)
+    assert len(one) == 1
+
+
+def test_harmony_a_preamble_is_content_and_an_unoffered_function_is_no_call() -> None:
+    text = ("<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.delete_all <|constrain|>json<|message|>{"x": 1}')
+    assert both_ways(HARMONY, reading(ToolFormat.HARMONY), text) == ("", "Let me look.", [])
+
+
+def test_harmony_cut_by_max_tokens() -> None:
+    cut_thinking = "<|channel|>analysis<|message|>Thinking about the"
+    assert both_ways(HARMONY, None, cut_thinking) == ("Thinking about the", "", [])
+    cut_call = '<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"q": "una'
+    assert both_ways(HARMONY, reading(ToolFormat.HARMONY), cut_call) == ("", "", [])
+    cut_header = "<|channel|>analysis<|message|>ok<|end|><|start|>assistant<|channel|>fin"
+    assert both_ways(HARMONY, None, cut_header) == ("ok", "", [])
+
+
+def test_harmony_a_plain_text_answer_is_content_whole() -> None:
+    assert both_ways(HARMONY, None, "Just text, no channels.") == ("", "Just text, no channels.", [])
+
+
+def test_harmony_with_reasoning_format_none_keeps_the_analysis_in_the_content() -> None:
+    plan = ReasoningPlan.make("none", TEMPLATES[ToolFormat.HARMONY], "")
+    assert plan is not None and plan.harmony
+    text = "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>done"
+    parts = parse_harmony(text, raw_reasoning=True)
+    assert parts.reasoning == "" and parts.content == "<|channel|>analysis<|message|>think<|end|>done"
+    assert read_answer(plan, None, text)[:2] == ("", "<|channel|>analysis<|message|>think<|end|>done")
+
+
+def test_harmony_markers_are_rendered_for_its_requests() -> None:
+    assert "<|channel|>" in preserved_tokens(HARMONY, None) and "<|message|>" in preserved_tokens(HARMONY, None)
+    assert preserved_tokens(None, None) == ()
+
+
+def test_harmony_is_read_for_an_api_without_thinking_too() -> None:
+    from engine.text.answer import harmony_only
+
+    assert harmony_only(HARMONY) is HARMONY and harmony_only(ReasoningPlan("<think>", "</think>")) is None
+
+
+# ---- Qwen3-Coder's XML calls ----------------------------------------------------------------------
+
+THINK = ReasoningPlan("<think>", "</think>")
+
+
+def test_qwen3_coder_calls_with_typed_values() -> None:
+    text = ("I'll check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo \"centro\"\n"
+            "two lines\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=zip>\n007\n</parameter>\n"
+            "<parameter=opts>\n{\"a\": [1, 2]}\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+            "<function=search>\n<parameter=q>\n42\n</parameter>\n</function>\n</tool_call>")
+    _, content, calls = both_ways(None, reading(ToolFormat.QWEN3_CODER), text)
+    assert content == "I'll check."
+    assert args(calls[0]) == {"city": 'São Paulo "centro"\ntwo lines', "days": 3, "zip": "007", "opts": {"a": [1, 2]}}
+    assert calls[1]["function"]["name"] == "search" and args(calls[1]) == {"q": "42"}  # a string parameter
+
+
+def test_qwen3_coder_thinking_then_a_call_cut_in_its_parameter() -> None:
+    text = "<think>plan</think>\n\n<tool_call>\n<function=search>\n<parameter=q>\nhalf a que"
+    reasoning, content, calls = both_ways(THINK, reading(ToolFormat.QWEN3_CODER), text)
+    assert reasoning == "plan" and content == ""
+    assert [(c["function"]["name"], args(c)) for c in calls] == [("search", {"q": "half a que"})]
+
+
+# ---- GLM 4.5 ----------------------------------------------------------------------------------------
+
+
+def test_glm_calls_after_thinking() -> None:
+    text = ("<think>The user wants weather.</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+            "<arg_value>Zürich\nnord</arg_value>\n<arg_key>days</arg_key>\n<arg_value>5</arg_value>\n"
+            "<arg_key>units</arg_key>\n<arg_value>c</arg_value>\n</tool_call>")
+    reasoning, content, calls = both_ways(THINK, reading(ToolFormat.GLM45), text)
+    assert reasoning == "The user wants weather." and content == ""
+    assert args(calls[0]) == {"city": "Zürich\nnord", "days": 5, "units": "c"}
+
+
+def test_glm_plain_answer_and_markup_are_detected_before_hermes() -> None:
+    assert both_ways(THINK, reading(ToolFormat.GLM45), "<think>x</think>\nHi there") == ("x", "Hi there", [])
+    plan = ToolPlan.make(TEMPLATES[ToolFormat.GLM45], False, TOOLS, None, None)
+    assert plan.format is ToolFormat.GLM45 and "<arg_key>" in preserved_tokens(None, reading(plan.format))
+
+
+# ---- DeepSeek V3.1, Kimi K2 -------------------------------------------------------------------------
+
+
+def test_deepseek_v31_calls() -> None:
+    text = ("Checking both.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+            '{"city": "Lyon"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{"q": "a\\"b"}'
+            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    _, content, calls = both_ways(None, reading(ToolFormat.DEEPSEEK_V31), text)
+    assert content == "Checking both."
+    assert [(c["function"]["name"], args(c)) for c in calls] == [("get_weather", {"city": "Lyon"}),
+                                                                 ("search", {"q": 'a"b'})]
+
+
+def test_kimi_k2_calls() -> None:
+    text = ("<think>hm</think>Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0"
+            '<|tool_call_argument_begin|>{"q": "ü"}<|tool_call_end|><|tool_calls_section_end|>')
+    reasoning, content, calls = both_ways(THINK, reading(ToolFormat.KIMI_K2), text)
+    assert (reasoning, content) == ("hm", "Sure.") and args(calls[0]) == {"q": "ü"}
+
+
+def test_a_kimi_call_cut_before_its_arguments_end_is_no_call() -> None:
+    text = '<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>{"q": '
+    assert read_answer(None, reading(ToolFormat.KIMI_K2), text)[2] == []
+
+
+# ---- Hermes stays as it was -----------------------------------------------------------------------
+
+
+def test_hermes_calls_and_plain_text() -> None:
+    text = '<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>'
+    assert args(both_ways(None, reading(ToolFormat.HERMES), text)[2][0]) == {"q": "x"}
+    assert both_ways(None, reading(ToolFormat.HERMES), "no call here") == ("", "no call here", [])
