@@ -25,6 +25,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.text.stream import partial_stop_suffix
+
 PRESERVED = ("<|channel|>", "<|message|>", "<|start|>", "<|end|>", "<|constrain|>", "<|call|>", "<|return|>")
 _ENDS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
 _MESSAGE = "<|message|>"
@@ -122,7 +124,7 @@ class HarmonyParser:
         """The open message's body up to its end marker; False: wait for more."""
         ends = [(j, m) for m in _ENDS if (j := self.held.find(m)) >= 0]
         if not ends:
-            keep = _marker_tail(self.held)
+            keep = partial_stop_suffix(self.held, _ENDS)
             body, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
             if self.kind == "call":
                 self.held = body + self.held  # a call's JSON is read whole
@@ -161,17 +163,6 @@ class HarmonyParser:
         except ValueError:
             return  # cut or malformed: not a call
         self.calls.append((self.call_name, args))
-
-
-def _marker_tail(text: str) -> int:
-    """The longest tail of ``text`` that may begin one of the end markers."""
-    best = 0
-    for m in _ENDS:
-        for k in range(min(len(m) - 1, len(text)), 0, -1):
-            if text.endswith(m[:k]):
-                best = max(best, k)
-                break
-    return best
 
 
 def parse_harmony(text: str, raw_reasoning: bool = False) -> HarmonyParts:

@@ -37,6 +37,7 @@ from typing import Any
 
 from engine.errors import RequestError
 from engine.text.grammar import GrammarSpec, bounded_schema, check_schema, json_options
+from engine.text.stream import partial_stop_suffix
 
 DS_CALLS = "<｜tool▁calls▁begin｜>"  # DeepSeek V3.1's markers: fullwidth bars, U+2581 for spaces
 DS_CALL, DS_SEP, DS_CALL_END, DS_CALLS_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
@@ -480,7 +481,7 @@ class ToolCallStream:
             self.holding = True
             out, self.held = self.held[:idx], self.held[idx:]
         else:
-            keep = _marker_prefix_len(self.held)
+            keep = partial_stop_suffix(self.held, MARKERS)
             out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
         if out:
             self.sent_any = True
@@ -494,17 +495,6 @@ class ToolCallStream:
 
 def limit_calls(calls: list[dict[str, Any]], parallel: bool) -> list[dict[str, Any]]:
     return calls if parallel else calls[:1]
-
-
-def _marker_prefix_len(text: str) -> int:
-    """The length of the longest tail of ``text`` that is a proper prefix of a marker."""
-    best = 0
-    for m in MARKERS:
-        for k in range(min(len(m) - 1, len(text)), 0, -1):
-            if text.endswith(m[:k]):
-                best = max(best, k)
-                break
-    return best
 
 
 def tool_finish(finish: str | None) -> str | None:

@@ -372,3 +372,24 @@ def test_the_responses_api_through_the_openai_sdk(client, base):
     for bad in ({"input": "x", "previous_response_id": "resp_1"}, {"input": "x", "tools": [{"type": "web_search"}]},
                 {"input": [{"type": "image", "url": "x"}]}, {"input": "x", "max_output_tokens": 0}):
         assert httpx.post(base + "/v1/responses", json=bad, timeout=60).status_code == 400, bad
+
+
+def test_two_salts_never_share_a_cached_token_over_http(base, client):
+    """``cache_salt`` through the served app: /completion's ``tokens_cached`` and the OpenAI
+    SDK's ``cached_tokens`` stay 0 across salts, and a salt reuses its own prefix."""
+    prompt = "a tenant's private system prompt: " + " ".join(f"rule {k}" for k in range(30))
+    body = {"prompt": prompt, "n_predict": 4, "temperature": 0}
+    first = httpx.post(base + "/completion", json={**body, "cache_salt": "tenant-a"}, timeout=60).json()
+    other = httpx.post(base + "/completion", json={**body, "cache_salt": "tenant-b"}, timeout=60).json()
+    plain = httpx.post(base + "/completion", json=body, timeout=60).json()
+    own = httpx.post(base + "/completion", json={**body, "cache_salt": "tenant-a"}, timeout=60).json()
+    assert first["tokens_cached"] == other["tokens_cached"] == plain["tokens_cached"] == 0
+    assert own["tokens_cached"] > 0 and own["content"] == first["content"] == other["content"]
+    chat = [{"role": "user", "content": prompt}]
+    a = client.chat.completions.create(model="m", messages=chat, max_tokens=4, temperature=0,
+                                       extra_body={"cache_salt": "tenant-c"})
+    b = client.chat.completions.create(model="m", messages=chat, max_tokens=4, temperature=0,
+                                       extra_body={"cache_salt": "tenant-d"})
+    assert a.usage.prompt_tokens_details.cached_tokens == b.usage.prompt_tokens_details.cached_tokens == 0
+    r = httpx.post(base + "/v1/completions", json={"prompt": "x", "cache_salt": ""}, timeout=60)
+    assert r.status_code == 400, r.text

@@ -68,11 +68,43 @@ def unfaulted(base: str, n: int = 8) -> list:
     return results
 
 
+HISTORY = "a conversation that comes back: " + " ".join(f"turn{k} said this" for k in range(40))
+
+
+def returning(base: str, cache: bool) -> tuple[str, int]:
+    """The conversation's next turn, greedy: its text and the prompt tokens it reused."""
+    body = {"prompt": HISTORY, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "cache_prompt": cache}
+    r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    a = r.json()
+    return a["choices"][0]["text"], a["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def cached_before_the_fault(base: str) -> str:
+    """The conversation cached in the engine (its second sending reuses its prefix); its text."""
+    text, _ = returning(base, True)
+    again, cached = returning(base, True)
+    assert cached > 0 and again == text
+    return text
+
+
+def check_no_stale_kv(base: str, before_fault: str) -> None:
+    """After the fault the conversation's cached turn answers as its uncached twin and as before:
+    no KV of the old stage (nor of an empty one) is restored."""
+    cached_text, _ = returning(base, True)
+    twin, twin_cached = returning(base, False)
+    assert twin_cached == 0
+    assert cached_text == twin == before_fault
+    again, reused = returning(base, True)  # the new stage's own cache serves it from here on
+    assert again == twin and reused > 0
+
+
 def test_killing_the_stage_server_resumes_in_flight_streams_and_recovers(deploy, record_property):
     base = deploy(APP)
     stage = get_stage()
     before = ray.get(stage.health.remote())
     assert before["alive"] and before["accepting"]
+    conversation = cached_before_the_fault(base)
     want = unfaulted(base)
     resumed_before = resumes(base)
 
@@ -91,6 +123,7 @@ def test_killing_the_stage_server_resumes_in_flight_streams_and_recovers(deploy,
 
     r = httpx.post(base + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=60)
     assert r.status_code == 200, r.text
+    check_no_stale_kv(base, conversation)
     record_property("recovery_s", round(recovered, 2))
     log.warning("peer failure: 8 streams resumed, %d equal to unfaulted; done %.1f s after the kill", same, recovered)
 
@@ -103,6 +136,7 @@ def test_a_frozen_stage_is_replaced_and_its_streams_resume_while_it_stays_frozen
     base = deploy(APP)
     stage = get_stage()
     before = ray.get(stage.health.remote())
+    conversation = cached_before_the_fault(base)
     want = unfaulted(base, 4)
     resumed_before = resumes(base)
     results, threads = start_load(base, 4)
@@ -122,5 +156,6 @@ def test_a_frozen_stage_is_replaced_and_its_streams_resume_while_it_stays_frozen
     assert resumes(base) >= resumed_before + 4
     after = ray.get(stage.health.remote())
     assert after["pid"] != before["pid"] and after["restarts"] >= before["restarts"] + 1
+    check_no_stale_kv(base, conversation)
     record_property("frozen_to_completed_s", round(done, 2))
     log.warning("frozen stage: replaced; the streams completed %.1f s after SIGSTOP", done)
