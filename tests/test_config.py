@@ -87,7 +87,7 @@ def test_app_args_are_the_engine_config_plus_the_deployments_keys(monkeypatch):
     assert cfg.rpc_endpoints == ["10.0.0.2:50052"]
     assert cfg.n_parallel == EngineConfig(model="m").n_parallel
     assert set(AppArgs.model_fields) - set(EngineConfig.model_fields) == {
-        "rpc", "api_key", "request_timeout_s", "max_body_bytes", "stage_timeout_s", "stage_stall_factor",
+        "rpc", "api_key", "cache_salt_by_key", "request_timeout_s", "max_body_bytes", "stage_timeout_s", "stage_stall_factor",
         "stage_stall_floor_s", "resume_limit", "resume_wait_s", "placement", "replicas",
         "allow_unauthenticated", "strict_request_fields", "topology", "body_timeout_s", "min_body_rate",
         "max_requests_per_client", "cors_origins", "allowed_hosts", "head_timeout_s", "keep_alive_timeout_s",
