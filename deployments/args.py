@@ -200,6 +200,10 @@ class AppArgs(EngineConfig):
         if self.replicas > 1 and self.split and not self.rpc.per_replica:
             raise ValueError("replicas > 1 with one RPC stage: a ggml RPC server serves one engine at a time; "
                              "set rpc.per_replica: true (a stage per engine replica, i.e. pairs)")
+        if self.cache_salt_by_key and not self.api_key:
+            raise ValueError("cache_salt_by_key salts by API key: set api_key (a list: one key per tenant)")
+        if isinstance(self.api_key, list) and not all(self.api_key):
+            raise ValueError("api_key: every key of the list must be a non-empty string")
         return self
 
     @property

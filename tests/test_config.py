@@ -113,3 +113,14 @@ def test_every_shipped_config_serves_directly_and_every_node_gets_serves_tuning(
             for k, v in SERVE_TUNING.items():
                 assert f"{k}={v}" in start, (name, key, k)
     assert tuned_env({"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"})["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
+
+
+def test_salting_by_key_needs_keys_and_a_key_list_holds_no_empty_key():
+    import pytest
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="set api_key"):
+        AppArgs(cache_salt_by_key=True)
+    with pytest.raises(ValidationError, match="non-empty"):
+        AppArgs(api_key=["a", ""])
+    assert AppArgs(api_key=["a", "b"], cache_salt_by_key=True).cache_salt_by_key
