@@ -137,7 +137,7 @@ def prompting(active: list[Slot]) -> list[Slot]:
     return [s for s in active if s.state is SlotState.PROMPT]
 
 
-def to_evaluate(s: Slot) -> int:
+def prompt_to_compute(s: Slot) -> int:
     """The prompt tokens a slot's request evaluates itself: its prompt less what it reused."""
     return len(s.req.prompt_tokens) - s.n_reused
 
@@ -145,7 +145,7 @@ def to_evaluate(s: Slot) -> int:
 def n_short(active: list[Slot], long_prompt: int) -> int:
     """The short prompts (at most ``long_prompt`` tokens to evaluate) waiting for their first
     token that the step can serve (not those waiting for another slot's prefix)."""
-    return sum(1 for s in prompting(active) if not s.waiting and to_evaluate(s) <= long_prompt)
+    return sum(1 for s in prompting(active) if not s.waiting and prompt_to_compute(s) <= long_prompt)
 
 
 def prompt_order(prompts: list[Slot], aging: int) -> list[Slot]:
@@ -206,7 +206,7 @@ def plan_step(active: list[Slot], drafts: dict[int, list[int]], capacity: int, n
             turns.append((s, False))
             continue
         left = len(p) - s.n_prompt_done
-        long = to_evaluate(s) > long_prompt
+        long = prompt_to_compute(s) > long_prompt
         due = min(left, first)  # what it would take first
         n = min(left, free)
         if long:

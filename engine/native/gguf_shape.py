@@ -47,13 +47,13 @@ class _Cursor:
     def __init__(self, buf: mmap.mmap) -> None:
         self.buf, self.pos = buf, 0
 
-    def take(self, fmt: str) -> object:
+    def unpack(self, fmt: str) -> object:
         (v,) = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += struct.calcsize(fmt)
         return v
 
     def string(self) -> str:
-        n = self.take("<Q")
+        n = self.unpack("<Q")
         s = self.buf[self.pos:self.pos + n]
         self.pos += n
         return s.decode("utf-8", "replace")
@@ -68,7 +68,7 @@ class _Cursor:
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
-            etype, count = self.take("<I"), self.take("<Q")
+            etype, count = self.unpack("<I"), self.unpack("<Q")
             if count <= _KEPT_ARRAY:
                 return [self.value(etype) for _ in range(count)]
             if etype == _STRING:
@@ -81,7 +81,7 @@ class _Cursor:
             return LongArray(etype, count)
         if vtype not in _SCALARS:
             raise ValueError(f"unknown GGUF value type {vtype} at byte {self.pos}")
-        return self.take(_SCALARS[vtype])
+        return self.unpack(_SCALARS[vtype])
 
 
 def read_header(path: str) -> GgufHeader:
@@ -93,19 +93,19 @@ def read_header(path: str) -> GgufHeader:
         if buf[:4] != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file")
         c.pos = 4
-        version = c.take("<I")
+        version = c.unpack("<I")
         if version not in (2, 3):
             raise ValueError(f"{path}: GGUF version {version} is not read here (big-endian or unknown)")
-        n_tensors, n_kv = c.take("<Q"), c.take("<Q")
+        n_tensors, n_kv = c.unpack("<Q"), c.unpack("<Q")
         fields: dict[str, object] = {}
         for _ in range(n_kv):
             key = c.string()
-            fields[key] = c.value(c.take("<I"))
+            fields[key] = c.value(c.unpack("<I"))
         infos = []
         for _ in range(n_tensors):
             name = c.string()
-            dims = tuple(c.take("<Q") for _ in range(c.take("<I")))
-            infos.append((name, dims, c.take("<I"), c.take("<Q")))
+            dims = tuple(c.unpack("<Q") for _ in range(c.unpack("<I")))
+            infos.append((name, dims, c.unpack("<I"), c.unpack("<Q")))
         align = int(fields.get("general.alignment", _ALIGNMENT))
         start = -(-c.pos // align) * align
     tensors = []
