@@ -211,3 +211,50 @@ def test_hermes_calls_and_plain_text() -> None:
     text = '<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>'
     assert args(both_ways(None, reading(ToolFormat.HERMES), text)[2][0]) == {"q": "x"}
     assert both_ways(None, reading(ToolFormat.HERMES), "no call here") == ("", "no call here", [])
+
+
+# ---- through the chat API's choices: whole and as SSE chunks ---------------------------------------
+
+
+def test_a_harmony_chat_answer_whole_and_streamed_through_the_openai_shapes() -> None:
+    from deployments.api.openai import Choice, SseEvents
+    from engine.types import Delta, Finish, FinishReason
+
+    pieces = ["<|channel|>analysis<|message|>Need", " weather.<|end|><|start|>assistant<|channel|>commentary to=",
+              'functions.get_weather <|constrain|>json<|message|>{"city": ', '"Oslo"}']
+    outs = [Delta("r", p, 1) for p in pieces[:-1]] + [Finish("r", pieces[-1], 1, FinishReason.STOP, prompt_tokens=3,
+                                                             completion_tokens=4)]
+    tools = reading(ToolFormat.HARMONY)
+    whole = Choice(0, "chat", False, tools, HARMONY)
+    whole.add(outs)
+    body = whole.body()
+    assert body["finish_reason"] == "tool_calls"
+    assert body["message"]["reasoning_content"] == "Need weather." and body["message"]["content"] is None
+    assert [c["function"]["name"] for c in body["message"]["tool_calls"]] == ["get_weather"]
+    s, ev = Choice(0, "chat", False, tools, HARMONY), SseEvents("r", "chat", "m", False)
+    raw = b"".join(s.events(ev, [o]) for o in outs).decode()
+    chunks = [json.loads(line[6:])["choices"][0] for line in raw.split("\n") if line.startswith("data: ")]
+    deltas = [c["delta"] for c in chunks]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Need weather."
+    assert not "".join(d.get("content") or "" for d in deltas)  # no markup ever reaches the content
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert [args(tc) for tc in calls] == [{"city": "Oslo"}] and chunks[-1]["finish_reason"] == "tool_calls"
+
+
+def test_anthropic_and_responses_answers_of_harmony_carry_no_markup() -> None:
+    from types import SimpleNamespace
+
+    from deployments.api.anthropic import MessagesShaper
+    from deployments.api.responses import ResponsesRequest, ResponsesShaper
+    from engine.types import Finish, FinishReason
+
+    text = "<|channel|>analysis<|message|>hmm<|end|><|start|>assistant<|channel|>final<|message|>Hello there"
+    fin = Finish("r", text, 5, FinishReason.STOP, prompt_tokens=3, completion_tokens=5)
+    sub = SimpleNamespace(tools=None, reasoning=HARMONY, prompt_tokens=3)
+    a = MessagesShaper(SimpleNamespace(rid="chatcmpl-1", model="m", submitted=sub))
+    a.add([fin])
+    assert a.final()["content"] == [{"type": "text", "text": "Hello there"}]
+    req = ResponsesRequest.model_validate({"input": "hi"})
+    r = ResponsesShaper(SimpleNamespace(rid="resp_1", model="m", submitted=sub, request=req))
+    r.add([fin])
+    assert r.final()["output"][0]["content"][0]["text"] == "Hello there"
