@@ -205,6 +205,13 @@ class EngineConfig(BaseModel):
         "the slots have (one entry a slot); 0: off (only the slots cache). The KV is allocated at start, on "
         "each stage's device. Needs share_prefix (not recurrent or hybrid models).",
     )
+    checkpoint_every: int = Field(
+        default=2048, ge=0, description="On a model whose KV cannot be cut back (recurrent or hybrid layers, or "
+        "a sliding window): while a long prompt is evaluated, keep a checkpoint of its state in the prompt cache "
+        "at each multiple of this many of its tokens (its chunks end there; as llama-server's context checkpoints), so an edit "
+        "inside the prompt recomputes from the last checkpoint before it, not from the start. 0: a checkpoint "
+        "only at a prompt's end.",
+    )
     share_min_tokens: int = Field(
         default=32, ge=1, description="Least gain, in prompt tokens, for a prefix to be copied from another slot."
     )

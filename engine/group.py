@@ -30,7 +30,15 @@ from engine.config import EngineConfig
 from engine.errors import NativeError
 from engine.messages import CancelMsg, SlotBusyError, SlotOpMsg, StartMsg, StopMsg
 from engine.native.model import Model
-from engine.planner import draft_requests, generating, n_short, plan_start, plan_step, prompting
+from engine.planner import (
+    Plan,
+    draft_requests,
+    generating,
+    n_short,
+    plan_start,
+    plan_step,
+    prompting,
+)
 from engine.processor import OutputProcessor, final_output
 from engine.runner import Runner
 from engine.slots import Slot, SlotState, SlotView
@@ -260,7 +268,8 @@ class PipelineGroup:
             allowed = budget.tokens(self.index, n_rows, runner.capacity, n_prompts) if n_prompts else None
             cut = budget.long_cut(self.index, n_short(self.active, cfg.prefill_long_tokens))
             plan = plan_step(self.active, drafts, runner.capacity, runner.n_ubatch, cfg.kv_unified,
-                             allowed, cfg.prefill_long_tokens, cut, cfg.prefill_aging_steps)
+                             allowed, cfg.prefill_long_tokens, cut, cfg.prefill_aging_steps,
+                             cfg.checkpoint_every if self.prefix.checkpoints else 0)
             runner.fill(plan)
         n_prompt = plan.n_prompt
         budget.begin(self.index, n_prompt)
@@ -287,6 +296,7 @@ class PipelineGroup:
         for s, end in got.endings:  # the group frees their slots
             outs.append(self._finish(s, end.reason, end.text, **end.figures))
         n_saves = self._n_saves()
+        self._checkpoint_long_prompts(plan)
         for s in got.began:  # published once (/slots, the page)
             self.prefix.checkpoint(s, self.slots)
             self.publish_slot(s.view(), False)
@@ -300,6 +310,21 @@ class PipelineGroup:
         with prof.timed("send"):
             if outs:
                 self.sink(outs)
+
+    def _checkpoint_long_prompts(self, plan: Plan) -> None:
+        """A checkpoint of each prompt still on its way whose KV reached a multiple of
+        ``checkpoint_every`` (the planner ends its chunks there): a state the model cannot go
+        back to otherwise, so an edit after it recomputes from there."""
+        every = self.config.checkpoint_every
+        if not every or not self.prefix.checkpoints:
+            return
+        for en in plan.entries:
+            s = en.slot
+            if s.state is not SlotState.PROMPT or s.req is None:
+                continue
+            n = len(s.cache_tokens)
+            if n % every == 0 and n > s.n_checkpointed and self.prefix.checkpoint(s, self.slots):
+                s.n_checkpointed = n
 
     def _n_saves(self) -> int:
         return self.prefix.kept.n_saves if self.prefix.kept else 0

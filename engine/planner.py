@@ -175,14 +175,15 @@ def draft_requests(gen: list[Slot], spec: SpeculativeConfig, n_ctx_slot: int) ->
 
 def plan_step(active: list[Slot], drafts: dict[int, list[int]], capacity: int, n_ubatch: int,
               unified: bool, prompt_budget: int | None = None, long_prompt: int = 0,
-              beside_short: int | None = None, aging: int = 0) -> Plan:
+              beside_short: int | None = None, aging: int = 0, checkpoint_every: int = 0) -> Plan:
     """This step's work for the group's ``active`` slots (in the order they became busy);
     ``drafts`` maps a slot id to its draft tokens; ``capacity`` is the batch's size.
     ``prompt_budget`` (chunked prefill, engine/budget.py): the most tokens the step takes of
     prompts with more than ``long_prompt`` tokens to evaluate; shorter ones go whole.
     Prompts claim tokens in ``prompt_order`` (``aging``); ``beside_short`` (a short prompt
     waits in some group): the most tokens of long prompts, but for those held back ``aging``
-    steps in a row."""
+    steps in a row. ``checkpoint_every``: a prompt's chunk ends at each multiple of it (where
+    the group keeps a checkpoint of a state that cannot be cut back)."""
     gen = generating(active)
     entries: list[Entry] = []
     free = capacity - len(gen)
@@ -223,6 +224,10 @@ def plan_step(active: list[Slot], drafts: dict[int, list[int]], capacity: int, n
             nxt = next((m.start for m in s.req.media if m.start > s.n_prompt_done), None)
             if nxt is not None:
                 n = min(n, nxt - s.n_prompt_done)
+        if checkpoint_every:
+            mark = (s.n_prompt_done // checkpoint_every + 1) * checkpoint_every
+            if mark < len(p):
+                n = min(n, mark - s.n_prompt_done)
         chunk = p[s.n_prompt_done : s.n_prompt_done + n]
         free -= n
         if long:

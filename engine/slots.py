@@ -82,6 +82,7 @@ class Slot:
     on_backend: bool = False  # the sampler chain is attached to the context (backend sampling)
     text: TextStream | None = None
     n_prompt_done: int = 0  # prompt tokens in the KV (reused + evaluated)
+    n_checkpointed: int = 0  # the prompt's position of its last checkpoint (config.checkpoint_every)
     n_reused: int = 0
     n_generated: int = 0
     last_token: int = -1
@@ -114,7 +115,7 @@ class Slot:
         self.sampler = sampler
         self.text = r.text if r.text is not None else TextStream(r.params.stop)
         r.text = None
-        self.n_prompt_done = self.n_reused = n_reused
+        self.n_prompt_done = self.n_reused = self.n_checkpointed = n_reused
         self.n_generated = 0
         self.last_token = -1
         self.t_start = time.monotonic()

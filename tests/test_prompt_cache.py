@@ -263,3 +263,27 @@ def test_a_hybrid_model_under_pressure_evicts_and_nothing_fails(make_engine, hyb
     assert chat(e, 3, 3)[0] == chat(ref, 3, 3)[0]
     (s,) = cache_stats(e)
     assert s.evictions > 0 and e.healthy and e.scheduler.counts() == (0, 0)
+
+
+def test_an_edit_inside_a_long_prompt_of_a_hybrid_model_recomputes_from_the_checkpoint_before_it(make_engine,
+                                                                                                hybrid_model):
+    """Checkpoints inside a long prompt (``checkpoint_every``): the prompt's chunks end at each
+    multiple, a checkpoint is kept there, and the same prompt edited after one takes it back;
+    without them (0) only the prompt's end is kept and the edit is evaluated whole. The text is
+    the uncached engine's."""
+    every = 128
+    on = make_engine(model=hybrid_model, n_parallel=1, n_ctx=2048, prompt_cache_mib=64, checkpoint_every=every)
+    end_only = make_engine(model=hybrid_model, n_parallel=1, n_ctx=2048, prompt_cache_mib=64, checkpoint_every=0)
+    ref = make_engine(model=hybrid_model, n_parallel=1, n_ctx=2048, prompt_cache_mib=0)
+    long = SYSTEM + [t for k in range(8) for t in user(40 + k, 0)]  # 544 tokens
+    edited = long[:450] + user(99, 0, 30)  # an edit after the checkpoint at 384
+    for e in (on, end_only, ref):
+        run(e, long)
+    (s,) = cache_stats(on)
+    assert s.saves >= len(long) // every  # one at each multiple, and the prompt's end
+    text, _, fin = run(on, edited)
+    assert fin.cached_tokens == 384
+    _, _, fin_end = run(end_only, edited)
+    assert fin_end.cached_tokens == 0
+    ref_text, _, _ = run(ref, edited)
+    assert text == ref_text
