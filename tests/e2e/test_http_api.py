@@ -383,7 +383,8 @@ def test_two_salts_never_share_a_cached_token_over_http(base, client):
     other = httpx.post(base + "/completion", json={**body, "cache_salt": "tenant-b"}, timeout=60).json()
     plain = httpx.post(base + "/completion", json=body, timeout=60).json()
     own = httpx.post(base + "/completion", json={**body, "cache_salt": "tenant-a"}, timeout=60).json()
-    assert first["tokens_cached"] == other["tokens_cached"] == plain["tokens_cached"] == 0
+    assert first["tokens_cached"] == other["tokens_cached"] == 0
+    assert plain["tokens_cached"] <= 1  # at most the BOS every unsalted prompt of this app begins with
     assert own["tokens_cached"] > 0 and own["content"] == first["content"] == other["content"]
     chat = [{"role": "user", "content": prompt}]
     a = client.chat.completions.create(model="m", messages=chat, max_tokens=4, temperature=0,
