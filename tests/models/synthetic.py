@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,9 +75,10 @@ FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|repo_name
 FIM_KEYS = ("pre", "suf", "mid", "rep", "sep")  # tokenizer.ggml.fim_<key>_token_id, in FIM_TOKENS' order
 
 
-def build_vocab(n_vocab: int, fim: bool = False) -> tuple[list[bytes], list[float], list[int]]:
-    """The vocabulary: control tokens (the FIM ones too with ``fim``, ids 5 to 9), 256 byte
-    tokens, word pieces, then fillers."""
+def build_vocab(n_vocab: int, fim: bool = False, extra: Sequence[tuple[str, int]] = ()
+                ) -> tuple[list[bytes], list[float], list[int]]:
+    """The vocabulary: control tokens (the FIM ones too with ``fim``, ids 5 to 9; then
+    ``extra``'s (text, token type) pairs), 256 byte tokens, word pieces, then fillers."""
     from gguf import TokenType
 
     tokens: list[bytes] = []
@@ -95,6 +97,9 @@ def build_vocab(n_vocab: int, fim: bool = False) -> tuple[list[bytes], list[floa
     add("<|im_end|>", 0.0, TokenType.CONTROL)
     for t in FIM_TOKENS if fim else ():
         add(t, 0.0, TokenType.CONTROL)
+    for t, ttype in extra:
+        if t.encode() not in tokens:
+            add(t, 0.0, ttype)
     for b in range(256):
         add(f"<0x{b:02X}>", 0.0, TokenType.BYTE)
     seen = set()
