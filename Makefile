@@ -38,7 +38,7 @@ FLAGS_ID := $(shell echo '$(WHEEL_CMAKE_FLAGS)' | md5sum | cut -c1-8)
 WHEEL_DIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)-$(FLAGS_ID)
 STAMP := $(VENV)/.installed-$(LLAMA_VARIANT)-$(FLAGS_ID)
 
-.PHONY: install wheel model model-synthetic browser serve test test-fast test-cluster lint docs bench bench-spec bench-prefix bench-long bench-chat bench-host bench-bodies bench-faults bench-scale bench-images llama-server cluster-up cluster-down clean
+.PHONY: install wheel model model-synthetic browser serve test test-fast test-cluster lint docs bench bench-spec bench-prefix bench-long bench-chat bench-host bench-bodies bench-faults bench-scale bench-images families llama-server cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -160,6 +160,11 @@ bench-faults: install model
 bench-scale: install model llama-server
 	trap '$(PY) -m tests.cluster.testbed down' EXIT; \
 	WHEEL_CACHE='$(WHEEL_CACHE)' LLAMA_SERVER_BIN=$(LLAMA_SERVER_DIR) $(PY) -m bench.scale $(BENCH_ARGS)
+
+# The model families against llama-server on the same tiny GGUF and split: greedy text and the
+# parsed answers of forced fixtures, family by family (bench/families.py, ~5 minutes)
+families: install llama-server
+	LLAMA_SERVER_BIN=$(LLAMA_SERVER_DIR) $(PY) -m bench.families $(BENCH_ARGS)
 
 bench: install model-synthetic llama-server
 	LLAMA_SERVER_BIN=$(LLAMA_SERVER_DIR) $(PY) -m bench.run $(BENCH_ARGS)

@@ -122,22 +122,19 @@ class GrammarCompiler:
 
 
 def _lltokenizer(tok: Any) -> Any:
-    """llguidance's tokenizer over a llama.cpp vocabulary: each token's bytes, control tokens
-    marked as llguidance expects (a 0xFF byte first), and llama.cpp's own tokenizer for text."""
+    """llguidance's tokenizer over a llama.cpp vocabulary: each token's bytes, and llama.cpp's
+    own tokenizer for text. As in llama.cpp's grammars, a special token stands for its text
+    (``<think>``, ``<|channel|>``, ``<tool_call>``: a grammar that spells a family's markup
+    admits the token the model writes it with); only the end-of-generation tokens are marked
+    special (a 0xFF byte first, as llguidance expects), so they end an output where the grammar
+    is complete and never stand for text inside it."""
     import ctypes
 
     import llama_cpp
     import llguidance
 
-    control = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
-    user = llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
-    pieces = []
-    for t in range(tok.n_vocab):
-        p = tok.piece(t)
-        attr = llama_cpp.llama_vocab_get_attr(tok.vocab, t)
-        if attr & control or (attr & user and p.startswith(b"<") and p.endswith(b">")):
-            p = b"\xff" + p
-        pieces.append(p)
+    eog = set(tok.eog_tokens)
+    pieces = [b"\xff" + tok.piece(t) if t in eog else tok.piece(t) for t in range(tok.n_vocab)]
     fptr = ctypes.cast(llama_cpp.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
     return llguidance.LLTokenizer.from_llamacpp(tokens=pieces, vocab_ptr=tok.vocab, tokenize_fptr=fptr,
                                                 eos_token=list(tok.eog_tokens) or None, slices=None)

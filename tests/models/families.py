@@ -283,6 +283,7 @@ def write_tokenizer(w: object, fam: Family, n_vocab: int) -> None:
     w.add_eos_token_id(tokens.index(fam.eos.encode()))
     w.add_add_bos_token(False)  # these families' templates write their own preamble
     w.add_add_eos_token(False)
+    w.add_add_space_prefix(False)  # as these families' BPE tokenizers: no space before a text
     w.add_chat_template(template(fam.arch))
 
 

@@ -1,0 +1,204 @@
+"""The model families against llama-server, on the same tiny GGUF and the same split (``make
+families``): for each architecture of ``tests/models/families``, this service (two pipeline
+groups, its RPC stage) and llama-server ``--jinja`` with rpc-server, the same layers on the peer.
+
+- **greedy**: the same prompts, one at a time, ``temperature 0``: the text of each, compared;
+- **answers**: for each family a fixture set (plain, thinking, one call, parallel calls,
+  arguments with quotes, newlines and unicode, a call cut by ``max_tokens``) forced as the
+  model's text by a GBNF grammar that admits that text alone, so both servers generate the same
+  answer, and the parsed message (``content``, ``reasoning_content``, each tool call's name and
+  arguments as JSON, ``finish_reason``) compared field by field.
+
+Prints one JSON line a family and a table; exits 1 where any cell differs.
+
+    LLAMA_SERVER_BIN=... python -m bench.families [--archs gpt-oss,qwen3moe]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.models.families import FAMILIES, FamilyShape, write_family
+
+LS_PORT, LS_RPC, RPC_PORT = 8791, 50191, 50192
+N_PEER = 2
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"]}}},
+    {"type": "function", "function": {"name": "search", "description": "search the web", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}},
+]
+ASK = [{"role": "user", "content": "what is the weather in Paris and Zürich?"}]
+GREEDY_PROMPTS = [f"the {w} of the pipeline node number {i} said" for i, w in enumerate(["king", "queen", "dog", "cat"])]
+QUOTED = 'He said "hi"\nthen: \\o/ ünï — 東京'
+
+
+def _harmony(analysis: str | None, tail: str) -> str:
+    head = f"<|channel|>analysis<|message|>{analysis}<|end|><|start|>assistant" if analysis else ""
+    return head + tail
+
+
+def _h_call(name: str, args: dict) -> str:
+    return f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{json.dumps(args, ensure_ascii=False)}"
+
+
+def _xml_call(name: str, args: dict) -> str:
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def _glm_call(name: str, args: dict) -> str:
+    kv = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in args.items())
+    return f"<tool_call>{name}\n{kv}</tool_call>"
+
+
+def fixtures(arch: str) -> list[tuple[str, str, int]]:
+    """Each family's answers as it writes them after its generation prompt, with the
+    ``max_tokens`` each gets: room for the whole answer (the synthetic vocabulary spells most
+    of it a character a token), a sixth of its length for the one cut short."""
+    return [(name, text, len(text) // 6 if cut else 2 * len(text) + 16)
+            for name, text, cut in _answers(arch)]
+
+
+def _answers(arch: str) -> list[tuple[str, str, bool]]:
+    paris, zurich, quoted = {"city": "Paris"}, {"city": "Zürich", "days": 3}, {"q": QUOTED}
+    if arch == "gpt-oss":
+        return [
+            ("plain", _harmony(None, "<|channel|>final<|message|>It is sunny."), False),
+            ("thinking", _harmony("The user asks.", "<|channel|>final<|message|>It is sunny."), False),
+            ("one call", _harmony("Need weather.", _h_call("get_weather", paris)), False),
+            ("quotes, newlines, unicode", _harmony("Search.", _h_call("search", quoted)), False),
+            ("cut by max_tokens", _harmony("Need weather.", _h_call("get_weather", zurich)), True),
+        ]
+    if arch == "glm4moe":
+        return [
+            ("plain", "\n<think></think>\nIt is sunny.", False),
+            ("thinking", "\n<think>The user asks.</think>\nIt is sunny.", False),
+            ("one call", "\n<think>Need weather.</think>\n" + _glm_call("get_weather", paris), False),
+            ("parallel calls", "\n<think></think>\n" + _glm_call("get_weather", paris) + _glm_call("get_weather", zurich), False),
+            ("quotes, newlines, unicode", "\n<think></think>\n" + _glm_call("search", quoted), False),
+            ("cut by max_tokens", "\n<think></think>\n" + _glm_call("get_weather", zurich), True),
+        ]
+    # the Qwen3-Coder template (qwen3moe) opens no thinking; Qwen3.5's opens it in the prompt
+    think = "" if arch == "qwen3moe" else "The user asks.\n</think>\n\n"
+    return [
+        ("plain", think + "It is sunny.", False),
+        ("one call", think + _xml_call("get_weather", paris), False),
+        ("parallel calls", think + _xml_call("get_weather", paris) + "\n" + _xml_call("get_weather", zurich), False),
+        ("quotes, newlines, unicode", think + _xml_call("search", quoted), False),
+        ("cut by max_tokens", think + _xml_call("get_weather", zurich), True),
+    ]
+
+
+def gbnf_literal(text: str) -> str:
+    """A GBNF grammar whose one sentence is ``text``."""
+    esc = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+    return f'root ::= "{esc}"'
+
+
+def message(body: dict) -> dict:
+    """What a client reads of a chat answer, normalised: absent and empty are the same."""
+    ch = body["choices"][0]
+    m = ch["message"]
+    calls = []
+    for c in m.get("tool_calls") or []:
+        try:
+            args: Any = json.loads(c["function"]["arguments"])
+        except (json.JSONDecodeError, TypeError):
+            args = c["function"]["arguments"]
+        calls.append({"name": c["function"]["name"], "arguments": args})
+    return {"content": m.get("content") or "", "reasoning_content": m.get("reasoning_content") or "",
+            "tool_calls": calls, "finish_reason": ch["finish_reason"]}
+
+
+def chat(client: httpx.Client, base: str, text: str, max_tokens: int) -> dict:
+    # llama-server refuses a grammar beside tools (400: "Cannot use custom grammar constraints
+    # with tools"), so the forced answers are read with no tools offered
+    r = client.post(base + "/v1/chat/completions", json={
+        "messages": ASK, "temperature": 0, "max_tokens": max_tokens, "grammar": gbnf_literal(text)})
+    if r.status_code != 200:
+        return {"error": r.status_code, "body": r.text[:300]}
+    return message(r.json())
+
+
+def cut_alike(a: dict, b: dict) -> bool:
+    """Two readings of one answer cut short: where a grammar forces text, this service takes
+    fewer tokens for it than llama-server (the matcher admits the forced bytes' own
+    tokenisation; llama.cpp's argmax among every token that fits), so the same ``max_tokens``
+    cuts them at different places. Alike: both cut, neither a call, and each field of one a
+    prefix of the other's."""
+    if "error" in a or "error" in b or a["finish_reason"] != "length" or b["finish_reason"] != "length":
+        return False
+    if a["tool_calls"] or b["tool_calls"]:
+        return False
+    return all(x.startswith(y) or y.startswith(x) for x, y in
+               ((a["content"], b["content"]), (a["reasoning_content"], b["reasoning_content"])))
+
+
+def greedy(client: httpx.Client, base: str, prompt: str) -> str:
+    r = client.post(base + "/v1/completions", json={"prompt": prompt, "temperature": 0, "max_tokens": 24})
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]
+
+
+def compare(arch: str, ours: str, theirs: str) -> dict:
+    out: dict = {"arch": arch, "greedy": [], "answers": []}
+    with httpx.Client(timeout=120) as c:
+        for p in GREEDY_PROMPTS:
+            a, b = greedy(c, ours, p), greedy(c, theirs, p)
+            out["greedy"].append({"prompt": p, "equal": a == b, **({} if a == b else {"ours": a, "llama-server": b})})
+        for name, text, n in fixtures(arch):
+            a, b = chat(c, ours, text, n), chat(c, theirs, text, n)
+            same = cut_alike(a, b) if name == "cut by max_tokens" else a == b
+            out["answers"].append({"fixture": name, "equal": same, "ours": a, **({} if a == b else {"llama-server": b})})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.llama_server import LlamaServer
+    from bench.stack import HttpStack
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--archs", default=",".join(sorted(FAMILIES)))
+    a = p.parse_args(argv)
+    shape = FamilyShape()
+    results = []
+    stack = HttpStack()
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            for arch in a.archs.split(","):
+                path = write_family(Path(d) / f"{arch}.gguf", arch, shape)
+                stack.deploy({"model": str(path), "topology": "layer_split", "n_parallel": 2, "pipeline_groups": 2,
+                              "n_ctx": 8192, "peer_layers": N_PEER, "n_threads": 1,
+                              "rpc": {"port": RPC_PORT, "threads": 1}})
+                ls = LlamaServer(path, n_layer=shape.n_layer, n_peer=N_PEER, output_local=True, slots=1, n_ctx=4096,
+                                 port=LS_PORT, rpc_port=LS_RPC, flash_attn="off", extra=["--jinja"])
+                try:
+                    r = compare(arch, stack.base, ls.base)
+                finally:
+                    ls.close()
+                print(json.dumps(r, ensure_ascii=False), flush=True)
+                results.append(r)
+    finally:
+        stack.close()
+    print("\n| family | greedy equal | answers parsed equal | differing |\n|---|---|---|---|")
+    bad = 0
+    for r in results:
+        g = sum(x["equal"] for x in r["greedy"])
+        ans = sum(x["equal"] for x in r["answers"])
+        diff = ", ".join(x["fixture"] for x in r["answers"] if not x["equal"]) or "-"
+        bad += (len(r["answers"]) - ans) + (len(r["greedy"]) - g)
+        print(f"| {r['arch']} | {g}/{len(r['greedy'])} | {ans}/{len(r['answers'])} | {diff} |")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
