@@ -136,3 +136,27 @@ def test_a_returning_prefix_is_reused_and_answers_as_a_cold_prompt(family, make,
     want = run(cold, [second])[0]
     gap = oracle(second, got, want)
     assert gap < NEAR_TIE, (arch, gap)
+
+
+def test_a_grammar_that_spells_the_familys_markup_admits_its_special_tokens(family, make):
+    """As in llama.cpp's grammars, a special token stands for its text: a grammar that spells
+    ``<|channel|>`` or ``<tool_call>`` is satisfied by the token the model writes it with, and
+    the forced answer comes out whole (bench/families.py forces every fixture this way)."""
+    from bench.families import fixtures, gbnf_literal
+    from engine.text.grammar import GrammarSpec
+
+    arch, _ = family
+    e = make(n_parallel=1, n_ctx=2048)
+    fam = FAMILIES[arch]
+    for name, text, n in fixtures(arch):
+        if name == "cut by max_tokens":
+            continue
+        p = SamplingParams(temperature=0, max_tokens=n, grammar=GrammarSpec("gbnf", gbnf_literal(text)))
+        outs = list(e.stream("hello", p))
+        got, tokens = "".join(o.text for o in outs), [t for o in outs for t in o.tokens]
+        assert got == text, (name, got)
+        assert outs[-1].finish_reason == "stop"
+        marks = [t for t in fam.control + fam.text if t in text]
+        # the markup came as the family's own tokens, not spelled out a character at a time
+        ids = [i for t in marks for i in e.tokenizer.encode(t, add_special=False)]
+        assert set(ids) <= set(tokens), (name, marks)
