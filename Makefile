@@ -38,7 +38,7 @@ FLAGS_ID := $(shell echo '$(WHEEL_CMAKE_FLAGS)' | md5sum | cut -c1-8)
 WHEEL_DIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)-$(FLAGS_ID)
 STAMP := $(VENV)/.installed-$(LLAMA_VARIANT)-$(FLAGS_ID)
 
-.PHONY: install wheel model model-synthetic browser serve test test-fast test-cluster lint docs bench bench-spec bench-prefix bench-long bench-chat bench-host bench-bodies bench-faults bench-scale bench-images families llama-server cluster-up cluster-down clean
+.PHONY: install wheel model model-synthetic browser serve test test-fast test-cluster lint docs bench bench-spec bench-prefix bench-long bench-move bench-chat bench-host bench-bodies bench-faults bench-scale bench-images families llama-server cluster-up cluster-down clean
 
 install: $(STAMP)
 
@@ -138,6 +138,10 @@ bench-images: install model-synthetic llama-server
 
 bench-long: install model llama-server
 	LLAMA_SERVER_BIN=$(LLAMA_SERVER_DIR) $(PY) -m bench.long_prompt $(BENCH_ARGS)
+
+# A history moved between groups against the same history evaluated again (bench/move.py, ~3 minutes)
+bench-move: install model
+	$(PY) -m bench.move $(BENCH_ARGS)
 
 # Conversations and an agent loop over few slots: history computed again, against llama-server's RAM cache (bench/chat.py, ~25 minutes)
 bench-chat: install model llama-server

@@ -212,6 +212,13 @@ class EngineConfig(BaseModel):
         "inside the prompt recomputes from the last checkpoint before it, not from the start. 0: a checkpoint "
         "only at a prompt's end.",
     )
+    move_min_tokens: int = Field(
+        default=256, ge=0, description="A request sent to one group while another group holds at least this many "
+        "more tokens of its prompt (a returning conversation whose group had no free slot) takes that history's "
+        "KV from the other group's context instead of evaluating it again: the state is read there between two "
+        "of its steps and written into the request's slot (a remote stage's part crosses the link twice; "
+        "docs/engine.md). 0: never; each group evaluates what it does not hold.",
+    )
     share_min_tokens: int = Field(
         default=32, ge=1, description="Least gain, in prompt tokens, for a prefix to be copied from another slot."
     )

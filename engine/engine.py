@@ -28,7 +28,7 @@ from engine.config import EngineConfig
 from engine.embeddings import Embedder
 from engine.group import PipelineGroup
 from engine.media import MEDIA_SLOT, MediaSpan
-from engine.messages import CancelMsg, SlotBusyError, SlotOpMsg, StartMsg
+from engine.messages import CancelMsg, ExportMsg, SlotBusyError, SlotOpMsg, StartMsg
 from engine.native.devices import add_rpc_server
 from engine.native.gguf_shape import read_shape
 from engine.native.model import Model
@@ -114,6 +114,8 @@ class Engine:
                 max_queued_per_slot=config.max_queued_per_slot,
                 long_prompt=config.prefill_long_tokens,
                 aging=config.queue_aging,
+                move=self._move,
+                move_min=config.move_min_tokens if config.cache_prompt else 0,
             )
             # chunked prefill: one budget for the groups, which share the stages
             self.prefill = PrefillBudget(config.pipeline_groups, config.prefill_gap_factor, config.prefill_min_rate,
@@ -162,6 +164,13 @@ class Engine:
         """The KV bytes one cached token takes on each device (f16 KV): each stage keeps its
         own layers' part."""
         return self.kv_per_token
+
+    def _move(self, source: int, group: int, r: Request) -> None:
+        """Start ``r`` on ``group`` with its history's state read from group ``source``
+        (engine/cache/move.py); the scheduler calls this under its lock: two puts, no wait."""
+        state: Future = Future()
+        self.groups[source].inbox.put(ExportMsg(r.prompt_tokens, r.cache_salt, self.config.move_min_tokens, state))
+        self.groups[group].inbox.put(StartMsg(r, state))
 
     def _sink(self, outs: list[Output]) -> None:
         try:

@@ -26,9 +26,10 @@ import time
 from collections.abc import Callable
 
 from engine.budget import PrefillBudget
+from engine.cache.move import MOVE_WAIT_S, Moved
 from engine.config import EngineConfig
 from engine.errors import NativeError
-from engine.messages import CancelMsg, SlotBusyError, SlotOpMsg, StartMsg, StopMsg
+from engine.messages import CancelMsg, ExportMsg, SlotBusyError, SlotOpMsg, StartMsg, StopMsg
 from engine.native.model import Model
 from engine.planner import (
     Plan,
@@ -50,6 +51,7 @@ from observability.profiler import GroupProfiler
 log = logging.getLogger(__name__)
 
 Sink = Callable[[list[Output]], None]
+_WAKE = object()  # a parked request's history arrived (or gave up): look again
 
 
 class PipelineGroup:
@@ -90,6 +92,12 @@ class PipelineGroup:
         self.prof = GroupProfiler(index, kv_total=self.n_ctx_slot * len(slots), enabled_log=config.profile)
         self.processor = OutputProcessor(index, tokenizer, self.runner, self.prof, config.sample_threads_per_group())
         self.active: list[Slot] = []
+        # requests waiting for their history's state from another group (engine/cache/move.py),
+        # with the time they stop waiting for it; their slots are theirs meanwhile
+        self.parked: list[tuple[StartMsg, float]] = []
+        # other groups' requests for a history's state: read between steps, once the copies
+        # queued for the next decode (a save into the prompt cache) are made
+        self.exports: list[ExportMsg] = []
         self.alive = True
         self.error: str | None = None
         # when the step in progress began, 0.0 between steps: a step stuck in native code
@@ -155,7 +163,10 @@ class PipelineGroup:
             while True:
                 t0 = time.perf_counter()
                 if not self.active:
-                    msg = self.inbox.get()
+                    try:
+                        msg = self.inbox.get(timeout=self._park_timeout())
+                    except queue.Empty:
+                        msg = _WAKE
                     if not self._handle(msg):
                         return
                 while True:
@@ -165,11 +176,17 @@ class PipelineGroup:
                         break
                     if not self._handle(msg):
                         return
+                if self.parked:
+                    self._unpark()
+                if self.exports and (not self.prefix.pending or not self.active):
+                    self._export()
                 self.prof.add("wait", time.perf_counter() - t0)
                 if self.active:
                     self.step_since = time.monotonic()
                     self._step()
                     self.step_since = 0.0
+                    if self.exports:
+                        self._export()
         except BaseException as e:  # the group is dead: fail what it holds, never hang callers
             log.exception("pipeline group %d died", self.index)
             self.alive = False
@@ -177,6 +194,12 @@ class PipelineGroup:
             outs = []
             for s in list(self.active):
                 outs.append(self._finish(s, Fault.ENGINE, "", message=self.error, release=False))
+            parked, self.parked = self.parked, []
+            for m in self.exports:
+                if m.reply.set_running_or_notify_cancel():
+                    m.reply.set_result(None)
+            for m, _ in parked:
+                outs.append(self._never_started(m.request))
             self._drain_after_death(outs)
 
     def _drain_after_death(self, outs: list[Output]) -> None:
@@ -190,30 +213,29 @@ class PipelineGroup:
             if isinstance(msg, StopMsg):
                 return
             if isinstance(msg, StartMsg):
-                r = msg.request
-                self.sink([Failure(r.id, Fault.ENGINE, self.error or "", prompt_tokens=len(r.prompt_tokens))])
-                self.publish_slot(self._by_id[r.slot_id].view(), True)
+                self.sink([self._never_started(msg.request)])
             elif isinstance(msg, SlotOpMsg):
                 msg.reply.set_exception(RuntimeError(self.error))
+            elif isinstance(msg, ExportMsg) and msg.reply.set_running_or_notify_cancel():
+                msg.reply.set_result(None)
+
+    def _never_started(self, r: Request) -> Failure:
+        """A dead group's answer to a request it never started; its slot goes back."""
+        self.publish_slot(self._by_id[r.slot_id].view(), True)
+        return Failure(r.id, Fault.ENGINE, self.error or "", prompt_tokens=len(r.prompt_tokens))
 
     def _handle(self, msg: object) -> bool:
         if isinstance(msg, StartMsg):
-            try:
-                self._begin(msg.request)
-            except Exception as e:  # this request cannot start; the group goes on
-                log.exception("group %d: request %s failed to start", self.index, msg.request.id)
-                error = f"request failed to start: {e}"
-                outs = []
-                for m in msg.request.family:
-                    s = self._by_id[m.slot_id]
-                    if s.req is m and s in self.active:
-                        outs.append(self._finish(s, Fault.INTERNAL, "", message=error))
-                    else:  # never started: its slot goes back as it was
-                        outs.append(Failure(m.id, Fault.INTERNAL, error, prompt_tokens=len(m.prompt_tokens),
-                                            t_end=time.monotonic() - m.t_arrival, slot=s.id))
-                        self.publish_slot(s.view(), True)
-                self.sink(outs)
+            if msg.moved is not None and not msg.moved.done():
+                # its history's state is on its way from another group: the other slots step on
+                self.parked.append((msg, time.monotonic() + MOVE_WAIT_S))
+                msg.moved.add_done_callback(lambda _: self.inbox.put(_WAKE))
+            else:
+                self._start(msg)
+        elif isinstance(msg, ExportMsg):
+            self.exports.append(msg)
         elif isinstance(msg, CancelMsg):
+            self._unpark(msg.request_id)  # a parked request starts (without its history) to end
             for s in self.active:
                 if s.req is not None and s.req.id == msg.request_id:
                     out = self._finish(s, FinishReason.CANCELLED, "")
@@ -227,6 +249,7 @@ class PipelineGroup:
                 except Exception as e:
                     msg.reply.set_exception(e)
         elif isinstance(msg, StopMsg):
+            self._unpark(everything=True)
             outs = [self._finish(s, Fault.SHUTDOWN, "", message=SHUTTING_DOWN, release=False)
                     for s in list(self.active)]
             if outs:
@@ -234,10 +257,69 @@ class PipelineGroup:
             return False
         return True
 
+    # ---- a history another group holds (engine/cache/move.py) -------------------------------
+
+    def _park_timeout(self) -> float | None:
+        """How long an idle group waits for its inbox: until the first parked request stops
+        waiting for its history; forever without one."""
+        if not self.parked:
+            return None
+        return max(0.0, min(t for _, t in self.parked) - time.monotonic())
+
+    def _unpark(self, request_id: str | None = None, *, everything: bool = False) -> None:
+        """Start the parked requests whose history arrived, that waited long enough for it,
+        or that must start now (``request_id``'s, or ``everything``)."""
+        now = time.monotonic()
+        due, waiting = [], []
+        for m, t in self.parked:
+            now_or_never = m.moved.done() or now >= t or everything or m.request.id == request_id
+            (due if now_or_never else waiting).append((m, t))
+        self.parked = waiting
+        for m, _ in due:
+            m.moved.cancel()  # a state not read yet is not worth reading any more
+            self._start(m)
+
+    def _export(self) -> None:
+        """Other groups serve requests whose history this group holds: read the states."""
+        exports, self.exports = self.exports, []
+        for m in exports:
+            if not m.reply.set_running_or_notify_cancel():
+                continue  # that request stopped waiting for it
+            try:
+                m.reply.set_result(self.runner.export_history(self.slots, m.prompt, m.salt, m.min_tokens))
+            except Exception as e:  # the other group evaluates the history itself
+                log.exception("group %d: reading a history's state for another group failed", self.index)
+                m.reply.set_exception(e)
+
+    def _moved(self, m: StartMsg) -> Moved | None:
+        f = m.moved
+        if f is None or not f.done() or f.cancelled() or f.exception() is not None:
+            return None
+        return f.result()
+
     # ---- a request starts -------------------------------------------------------------------
 
-    def _begin(self, r: Request) -> None:
+    def _start(self, msg: StartMsg) -> None:
+        try:
+            self._begin(msg.request, self._moved(msg))
+        except Exception as e:  # this request cannot start; the group goes on
+            log.exception("group %d: request %s failed to start", self.index, msg.request.id)
+            error = f"request failed to start: {e}"
+            outs = []
+            for m in msg.request.family:
+                s = self._by_id[m.slot_id]
+                if s.req is m and s in self.active:
+                    outs.append(self._finish(s, Fault.INTERNAL, "", message=error))
+                else:  # never started: its slot goes back as it was
+                    outs.append(Failure(m.id, Fault.INTERNAL, error, prompt_tokens=len(m.prompt_tokens),
+                                        t_end=time.monotonic() - m.t_arrival, slot=s.id))
+                    self.publish_slot(s.view(), True)
+            self.sink(outs)
+
+    def _begin(self, r: Request, moved: Moved | None = None) -> None:
         n_saves = self._n_saves()
+        if moved is not None and self.config.cache_prompt and r.cache_prompt:
+            self.runner.take_history(self._by_id[r.slot_id], r, moved, self.slots)
         leader = self._begin_one(r)
         for f in r.followers:
             # its own sampler and text from now; its prompt's KV comes from the leader, and
@@ -306,7 +388,7 @@ class PipelineGroup:
         # finds the step that made it counted; the send's own time goes to the next snapshot
         prof.end_step(got.n_sampled, plan.n_tokens, len(self.active) + len(got.endings),
                       sum(len(s.cache_tokens) for s in self.slots), plan.n_ubatches, self.prefix.n_copied,
-                      self.prefix.kept.stats() if self.prefix.kept else None)
+                      self.prefix.kept.stats() if self.prefix.kept else None, self.prefix.moves())
         with prof.timed("send"):
             if outs:
                 self.sink(outs)

@@ -1,5 +1,6 @@
 """What reaches a pipeline group's thread: the messages of its inbox (principle 1 of the design:
-a start, a cancel, a slot's save, restore or erase, a stop), and a slot operation's refusal."""
+a start, a cancel, a slot's save, restore or erase, a history's state for another group,
+a stop), and a slot operation's refusal."""
 
 from __future__ import annotations
 
@@ -13,6 +14,19 @@ from engine.types import Request
 @dataclass
 class StartMsg:
     request: Request
+    # the state of its history another group reads for it (engine/cache/move.py): a Future of
+    # a ``Moved`` or None; the request starts once it is there, or without it after a while
+    moved: Future | None = None
+
+
+@dataclass
+class ExportMsg:
+    """Another group serves a request whose history this group holds: read its state."""
+
+    prompt: list[int]
+    salt: str
+    min_tokens: int
+    reply: Future
 
 
 @dataclass

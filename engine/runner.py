@@ -1,7 +1,8 @@
 """The second part of a step: the native side of one group. It owns the group's context, its
 batch, its drafter and its prefix cache; it turns a plan into logits (and the KV copies the
 plan made due), starts a request as planned (its reuse and its sampler chain), and saves and
-loads a slot's KV to and from a file.
+loads a slot's KV to and from a file, and reads and writes a history another group takes
+(engine/cache/move.py).
 
 Native handles are closed by construction: whatever fails while the runner is built, what was
 created before it is freed (the drafter's context, then the group's), and ``close`` frees
@@ -18,6 +19,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from engine.cache.move import Moved, export_history, take_history
 from engine.cache.prefix import PrefixCache, sharing_on
 from engine.cache.prompt_cache import PromptCache
 from engine.config import EngineConfig
@@ -30,6 +32,7 @@ from engine.sampling import SamplerChain
 from engine.slots import Slot
 from engine.speculation.drafters import ModelDrafter, NgramDrafter
 from engine.speculation.mtp import MtpDrafter
+from engine.types import Request
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +226,16 @@ class Runner:
         if self.mtp is not None:
             self.mtp.load(str(path), s, self.n_ctx_slot)
         return len(tokens)
+
+    def export_history(self, slots: list[Slot], prompt: list[int], salt: str, min_n: int) -> Moved | None:
+        """For another group: the state of this group's sequence holding the longest prefix of
+        ``prompt`` (engine/cache/move.py)."""
+        return export_history(self.prefix, self.ctx, self.mtp.ctx if self.mtp else None, slots, prompt, salt, min_n)
+
+    def take_history(self, s: Slot, r: Request, moved: Moved, slots: list[Slot]) -> int:
+        """Write another group's ``moved`` state into the slot for ``r`` where it is worth it;
+        returns the prompt tokens it gives."""
+        return take_history(self.prefix, self.ctx, self.mtp.ctx if self.mtp else None, s, r, moved, slots)
 
     def erase_slot(self, s: Slot) -> int:
         """Forget the slot's KV; returns how many tokens it held."""

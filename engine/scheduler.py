@@ -144,7 +144,12 @@ class Scheduler:
         max_queued_per_slot: int | None = None,
         long_prompt: int = 0,
         aging: int = 0,
+        move: Callable[[int, int, Request], None] | None = None,
+        move_min: int = 0,
     ) -> None:
+        """``move(source, group, r)``: start ``r`` on ``group`` with the state of its history
+        read from group ``source``, used when ``source`` holds at least ``move_min`` more of its
+        prompt than ``group`` (engine/cache/move.py); 0: never."""
         self._lock = threading.Lock()
         self._views = {v.id: v for v in views}
         self._idle: set[int] = {v.id for v in views}
@@ -161,6 +166,8 @@ class Scheduler:
         self.share_prefix = share_prefix  # groups share prefixes between their slots
         self.share_min = share_min  # ... of at least this many tokens
         self._dispatch = dispatch
+        self._move = move if move_min > 0 else None
+        self.move_min = move_min
         self._cancel_running = cancel_running
         self._sink = sink
         self.max_queued = max_queued
@@ -234,12 +241,15 @@ class Scheduler:
         else:
             v = choose_slot(idle, prompt, self._last_used, self.similarity, busy, held, self.share_min,
                             decoding, self.long_prompt, {g: len(ts) for g, ts in self._kept.items()}, r.cache_salt)
+        source = None  # the group whose KV is moved to ``v``'s for the request
         if held:
             here = max(held.get(v.group, 0), common_prefix(v.cached_tokens, prompt) if v.cache_salt == r.cache_salt else 0)
             elsewhere = max(held.values()) - here
             if elsewhere >= self.share_min:
                 self.n_elsewhere += 1
                 self.n_elsewhere_tokens += elsewhere
+            if self._move is not None and elsewhere >= self.move_min:
+                source = max(held, key=held.get)
         # followers: the group's other idle slots nearest in sequence id (one micro-batch)
         others = sorted((w for w in idle if w.group == v.group and w.id != v.id), key=lambda w: abs(w.seq_id - v.seq_id))
         for member, slot in zip(r.family, [v, *others], strict=False):
@@ -248,7 +258,10 @@ class Scheduler:
             self._running[member.id] = member
             self._slot_request[slot.id] = member.id
             self._slot_prompt[slot.id] = (r.cache_salt, prompt)
-        self._dispatch(v.group, r)
+        if source is not None:
+            self._move(source, v.group, r)
+        else:
+            self._dispatch(v.group, r)
 
     def kept(self, group: int, tokens: list[tuple[str, np.ndarray]]) -> None:
         """A group's prompt cache holds ``tokens`` (one salt and array an entry) now."""

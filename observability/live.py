@@ -75,7 +75,8 @@ class LiveFigures:
             groups.setdefault(v.group, []).append({"id": v.id, "state": v.state, "task": v.request_id,
                                                    "cached_tokens": v.n_cached})
         caches = {p.group: {"entries": p.cache_entries, "capacity": p.cache_capacity, "tokens": p.cache_tokens,
-                            "hits": p.cache_hits, "reused_tokens": p.cache_reused, "evictions": p.cache_evictions}
+                            "hits": p.cache_hits, "reused_tokens": p.cache_reused, "evictions": p.cache_evictions,
+                            "moved_in": p.moved_in, "moved_tokens": p.moved_tokens, "moved_out": p.moved_out}
                   for p in self.engine.profiles()}
         running, waiting = self.engine.scheduler.counts()
         # gpu_busy: each GPU of the stage's node, None on a CPU node

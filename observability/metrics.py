@@ -209,6 +209,14 @@ PROMPT_CACHE_SERIES = (
      "Prompt tokens taken from the group's prompt cache instead of being evaluated."),
     (CounterMetricFamily, "prompt_cache_evictions", "cache_evictions",
      "Prompt cache entries overwritten (least recently used) while holding a conversation of their own."),
+    (CounterMetricFamily, "prompt_cache_moved_in_requests", "moved_in",
+     "Requests that took their history's KV from another group's context instead of evaluating it."),
+    (CounterMetricFamily, "prompt_cache_moved_in_tokens", "moved_tokens", "Prompt tokens those requests took."),
+    (CounterMetricFamily, "prompt_cache_moved_in_bytes", "moved_bytes",
+     "Bytes of the states those requests took: read from every stage there, written to every stage here "
+     "(a remote stage's part crosses its link both ways)."),
+    (CounterMetricFamily, "prompt_cache_moved_out_requests", "moved_out",
+     "Histories' states the group read for a request another group served."),
 )
 
 
@@ -312,10 +320,10 @@ class _GroupCollector:
         base = [self.model, self.replica]
         away = CounterMetricFamily(P + "prompt_cache_elsewhere_requests", "Requests sent to a group while another "
                                    "group held clearly more of their prompt (in a slot or its prompt cache): that part "
-                                   "was evaluated again.", labels=["model", "replica"])
+                                   "was evaluated again unless its KV was moved (prompt_cache_moved_in_*).", labels=["model", "replica"])
         away.add_metric(base, self.elsewhere[0])
         away_t = CounterMetricFamily(P + "prompt_cache_elsewhere_tokens", "Prompt tokens another group held of "
-                                     "requests sent elsewhere (evaluated again).", labels=["model", "replica"])
+                                     "requests sent elsewhere (evaluated again unless moved).", labels=["model", "replica"])
         away_t.add_metric(base, self.elsewhere[1])
         yield from (slots_busy, slots, kv, steps, rows, toks, ubs, dcpu, bps, phase, dev, drafted, accepted, rate, copied,
                     c_bytes, *(series for series, _ in cache), away, away_t)

@@ -32,6 +32,12 @@ class ProfileSnapshot:
     drafted: int = 0  # ... draft tokens verified
     accepted: int = 0  # ... and accepted
     prefix_copied: int = 0  # prompt tokens whose KV was copied from another slot of the group
+    # histories moved from another group's context (engine/cache/move.py): requests, their
+    # prompt tokens, the states' bytes; and states this group read for another
+    moved_in: int = 0
+    moved_tokens: int = 0
+    moved_bytes: int = 0
+    moved_out: int = 0
     # the group's prompt cache (engine/cache/prompt_cache.py): entries it has, hold, and their tokens
     cache_capacity: int = 0
     cache_entries: int = 0
@@ -114,9 +120,10 @@ class GroupProfiler:
         self._accepted += accepted
 
     def end_step(self, rows: int, tokens: int, busy_slots: int, kv_used: int, ubatches: int,
-                 copied: int = 0, cache: object | None = None) -> None:
+                 copied: int = 0, cache: object | None = None, moved: tuple[int, int, int, int] = (0, 0, 0, 0)) -> None:
         """``copied``: prompt tokens the group's prefix copies have taken so far; ``cache``:
-        its prompt cache's ``CacheStats`` (engine/cache/prompt_cache.py)."""
+        its prompt cache's ``CacheStats`` (engine/cache/prompt_cache.py); ``moved``: the
+        histories it took from other groups (requests, tokens, bytes) and gave them, so far."""
         self._steps += 1
         self._ubatches += ubatches
         self._rows += rows
@@ -135,6 +142,7 @@ class GroupProfiler:
             drafted=self._drafted,
             accepted=self._accepted,
             prefix_copied=copied,
+            moved_in=moved[0], moved_tokens=moved[1], moved_bytes=moved[2], moved_out=moved[3],
             **({f"cache_{f.name}": getattr(cache, f.name) for f in fields(cache)} if cache is not None else {}),
             **self._acc,
         )

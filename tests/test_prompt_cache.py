@@ -287,3 +287,132 @@ def test_an_edit_inside_a_long_prompt_of_a_hybrid_model_recomputes_from_the_chec
     assert fin_end.cached_tokens == 0
     ref_text, _, _ = run(ref, edited)
     assert text == ref_text
+
+
+# ---- a history the other group holds (engine/cache/move.py) -------------------------------------
+
+def ask(e, prompt: list[int], max_tokens: int = 8, salt: str = "", id_slot: int = -1):
+    """Submit a greedy request; its output queue."""
+    r = e.make_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                       id_slot=id_slot, cache_salt=salt)
+    q = e.outputs.register(r.id)
+    e.submit(r)
+    return r, q
+
+
+def answer(q) -> tuple[str, list[int], object]:
+    texts, toks = [], []
+    while True:
+        o = q.get(timeout=60)
+        texts.append(o.text)
+        toks.extend(o.tokens)
+        if o.finish_reason is not None:
+            return "".join(texts), toks, o
+
+
+def returning_elsewhere(e, conv: int = 0, n_user: int = 300, salt: str = "", salt_next: str | None = None,
+                        answered=lambda: None):
+    """Conversation ``conv``'s first turn, then a request pinned to its slot (which saves the
+    history into that group's prompt cache and keeps the slot busy), then the conversation's
+    next turn (under ``salt_next``): the only free slot is the other group's; ``answered()``
+    once it is answered. Returns that turn's text, its final output and the history's length."""
+    first = SYSTEM + user(conv, 0, n_user)
+    _, toks, fin = answer(ask(e, first, salt=salt)[1])
+    history = first + toks
+    held = e.slots[fin.slot]
+    busy, q = ask(e, user(50 + conv, 0), max_tokens=4000, id_slot=held.id)  # the scheduler's busy slot from here
+    try:
+        text, _, fin2 = answer(ask(e, history + user(conv, 1), salt=salt if salt_next is None else salt_next)[1])
+        answered()
+    finally:
+        e.cancel(busy.id)
+        answer(q)
+    assert e.slots[fin2.slot].group != held.group  # it was served where its history was not
+    return text, fin2, len(history)
+
+
+def moves(e) -> list[tuple[int, int, int, int]]:
+    return [g.prefix.moves() for g in e.groups]
+
+
+@pytest.mark.parametrize("model", ["llama", "hybrid"])
+def test_a_history_the_other_group_holds_is_moved_there_not_evaluated_again(make_engine, hybrid_model, model):
+    """Two groups of one slot: a returning conversation whose group is busy is served by the
+    other, which takes the history's KV (the attention cells, or the recurrent state whole)
+    from the holder's context; its text is what the same turn gives evaluated from nothing.
+    With ``move_min_tokens: 0`` the history is evaluated again."""
+    kw = {"model": hybrid_model, "prompt_cache_mib": 96} if model == "hybrid" else {}
+    on = make_engine(n_parallel=2, pipeline_groups=2, n_ctx=4096, **kw)
+    off = make_engine(n_parallel=2, pipeline_groups=2, n_ctx=4096, move_min_tokens=0, **kw)
+    text, fin, n_history = returning_elsewhere(on)
+    assert fin.cached_tokens >= n_history - 1, (fin.cached_tokens, n_history)
+    taken = moves(on)[on.slots[fin.slot].group]
+    given = moves(on)[1 - on.slots[fin.slot].group]
+    assert taken[:2] == (1, fin.cached_tokens) and taken[2] > 0 and given[3] == 1, moves(on)
+    assert on.scheduler.n_elsewhere == 1
+    ref_text, ref_fin, _ = returning_elsewhere(off)
+    assert ref_fin.cached_tokens == 0 and all(m == (0, 0, 0, 0) for m in moves(off))
+    assert text == ref_text
+    assert on.healthy and all(v.state == "idle" for v in on.slot_views()) and on.scheduler.counts() == (0, 0)
+
+
+def test_a_history_is_never_moved_to_another_salt(make_engine):
+    e = make_engine(n_parallel=2, pipeline_groups=2, n_ctx=4096)
+    _, fin, _ = returning_elsewhere(e, 3, salt="tenant-a", salt_next="tenant-b")
+    assert fin.cached_tokens == 0 and all(m[0] == m[3] == 0 for m in moves(e)), moves(e)
+
+
+def test_on_the_split_a_moved_history_costs_the_link_at_most_the_peers_kv_twice(make_engine, rpc_endpoint):
+    """What a move costs on the split: the state is read from the peer and written back (the
+    history's K and V in the peer's layers, each way), where evaluating the history again sends
+    its activations and a graph a micro-batch. Measured over the same turns both ways."""
+    link = CountingLink(int(rpc_endpoint.rsplit(":", 1)[1]))
+    split = {"n_parallel": 2, "pipeline_groups": 2, "n_ctx": 8192, "rpc_endpoints": [f"127.0.0.1:{link.port}"]}
+    e = make_engine(**split)
+    ref = make_engine(**split, move_min_tokens=0)
+    try:
+        b0 = link.both
+        text, fin, n_history = returning_elsewhere(e, n_user=800)
+        moved = link.both - b0
+        b0 = link.both
+        ref_text, ref_fin, _ = returning_elsewhere(ref, n_user=800)
+        evaluated = link.both - b0
+        assert text == ref_text and fin.cached_tokens >= n_history - 1 and ref_fin.cached_tokens == 0
+        peer_kv = sum(b for d, b in e.kv_bytes_per_token().items() if d.startswith("RPC")) * fin.cached_tokens
+        (_, _, state, _), = [m for m in moves(e) if m[0]]
+        assert state > peer_kv  # the state holds the peer's K and V of the history (and the local stage's)
+        assert moved < evaluated + 2 * peer_kv, (moved, evaluated, peer_kv)
+    finally:
+        e.close()  # a lost RPC connection aborts the process: the engines go first
+        ref.close()
+        link.close()
+
+
+def test_a_holder_that_does_not_answer_leaves_the_history_to_be_evaluated(make_engine, monkeypatch):
+    """The holding group stuck (here its state read blocks): the parked request starts without
+    the state after ``MOVE_WAIT_S`` and evaluates its history; the state that comes late is
+    not taken."""
+    import threading
+
+    import engine.group
+
+    monkeypatch.setattr(engine.group, "MOVE_WAIT_S", 0.5)
+    e = make_engine(n_parallel=2, pipeline_groups=2, n_ctx=4096)
+    ref = make_engine(n_parallel=2, pipeline_groups=2, n_ctx=4096, move_min_tokens=0)
+    release = threading.Event()
+    for g in e.groups:
+        real = g.runner.export_history
+
+        def stuck(*a, real=real):
+            release.wait(60)
+            return real(*a)
+
+        g.runner.export_history = stuck
+    try:
+        text, fin, _ = returning_elsewhere(e, 4, answered=release.set)
+    finally:
+        release.set()
+    ref_text, ref_fin, _ = returning_elsewhere(ref, 4)
+    assert fin.cached_tokens == ref_fin.cached_tokens == 0 and text == ref_text
+    assert all(m[0] == 0 for m in moves(e)), moves(e)
+    assert e.healthy and e.scheduler.counts() == (0, 0)

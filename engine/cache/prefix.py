@@ -102,6 +102,9 @@ class PrefixCache:
         self.shareable = shareable  # not for recurrent or hybrid models
         self.share_min = max(1, share_min)
         self.n_copied = 0  # prefix tokens copied from another sequence instead of evaluated
+        # histories moved from another group's context (engine/cache/move.py): requests, the
+        # prompt tokens they took, the state's bytes read there and written here; and sent out
+        self.n_moved_in = self.n_moved_tokens = self.n_moved_bytes = self.n_moved_out = 0
         # stream copies llama.cpp has queued for the next decode: destination -> source sequence
         self.pending: dict[int, int] = {}
 
@@ -135,6 +138,28 @@ class PrefixCache:
                 if m >= need and m >= best.n + self.share_min:
                     best = Reuse(own=n_own, source=o, shared=m, ready=o.n_prompt_done >= m)
         return best
+
+    def best_held(self, prompt: list[int], salt: str, slots: list[Slot], min_n: int) -> tuple[Slot | None, int]:
+        """The group's sequence (a slot's, busy or idle, or a prompt cache entry's) whose KV
+        holds the longest prefix of ``prompt`` written under ``salt``, and that prefix's length:
+        the whole state where it cannot be cut, never one a queued copy has yet to fill;
+        (None, 0) below ``min_n`` tokens. What another group would take (engine/cache/move.py)."""
+        p = np.asarray(prompt, np.int32)
+        cap = len(prompt) - 1
+        best, n_best = None, 0
+        for o in [*slots, *(self.kept.held() if self.kept else ())]:
+            if not o.cache_tokens or o.cache_salt != salt or o.seq_id in self.pending:
+                continue
+            n = reusable(o.cache_tokens, p, cap)
+            if self.whole_only and n != len(o.cache_tokens):
+                continue
+            if n >= max(min_n, 1) and n > n_best and window_holds(self.ctx, self.n_swa, o.seq_id, n):
+                best, n_best = o, n
+        return best, n_best
+
+    def moves(self) -> tuple[int, int, int, int]:
+        """Histories taken from other groups (requests, prompt tokens, bytes), and given them."""
+        return self.n_moved_in, self.n_moved_tokens, self.n_moved_bytes, self.n_moved_out
 
     def _can_keep(self, slot: Slot, n: int) -> bool:
         if self.whole_only and n != len(slot.cache_tokens):

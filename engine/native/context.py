@@ -152,6 +152,26 @@ class Context:
             raise NativeError(f"restoring sequence {seq_id} from {path} failed")
         return list(arr[: n_out.value])
 
+    def seq_state(self, seq_id: int) -> bytes:
+        """A sequence's whole state (its cells' positions and every stage's K and V for them,
+        or its recurrent state), as ``llama_state_seq_get_data`` writes it: the KV of a remote
+        stage's layers is read over its link."""
+        n = llama_cpp.llama_state_seq_get_size(self.ptr, seq_id)
+        buf = (ctypes.c_uint8 * n)()
+        got = llama_cpp.llama_state_seq_get_data(self.ptr, buf, n, seq_id)
+        if got == 0 and n:
+            raise NativeError(f"reading the state of sequence {seq_id} failed")
+        return bytes(buf[:got])
+
+    def set_seq_state(self, data: bytes, seq_id: int) -> bool:
+        """Replace a sequence's state by one ``seq_state`` read (from a context of the same
+        model and shape); False when it does not fit (the sequence is then empty)."""
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if llama_cpp.llama_state_seq_set_data(self.ptr, buf, len(data), seq_id) == 0:
+            self.seq_rm(seq_id, 0, -1)
+            return False
+        return True
+
     def synchronize(self) -> None:
         llama_cpp.llama_synchronize(self.ptr)
 
