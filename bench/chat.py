@@ -184,7 +184,8 @@ def agent_cell(base: str, n_steps: int) -> tuple[list[Turn], float]:
         return out, time.monotonic() - t0
 
 
-CACHE_SERIES = ("hits", "reused_tokens", "saves", "evictions", "elsewhere_requests", "elsewhere_tokens")
+CACHE_SERIES = ("hits", "reused_tokens", "saves", "evictions", "elsewhere_requests", "elsewhere_tokens",
+                "moved_in_requests", "moved_in_tokens")
 
 
 def cache_figures(base: str) -> dict[str, float]:
