@@ -29,21 +29,11 @@ def words(n: int, seed: int) -> list[int]:
     return [1000 + (seed * 7919 + k * 104729) % 40000 for k in range(n)]
 
 
-def turn(e, prompt: list[int], max_tokens: int = 16, id_slot: int = -1):
+def greedy(e, prompt: list[int], max_tokens: int = 16, id_slot: int = -1):
     from engine import SamplingParams
 
-    r = e.make_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), id_slot=id_slot)
-    return r, e.outputs.register(r.id), e.submit(r)
-
-
-def finish(q) -> tuple[str, list[int], object]:
-    text, toks = [], []
-    while True:
-        o = q.get(timeout=600)
-        text.append(o.text)
-        toks.extend(o.tokens)
-        if o.finish_reason is not None:
-            return "".join(text), toks, o
+    return e.make_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                          id_slot=id_slot)
 
 
 def measure(model: str, n_history: int, move_min: int, link) -> dict:
@@ -53,15 +43,14 @@ def measure(model: str, n_history: int, move_min: int, link) -> dict:
                             rpc_endpoints=[f"127.0.0.1:{link.port}"], peer_layers=15, move_min_tokens=move_min))
     try:
         first = words(n_history, 1)
-        _, q, _ = turn(e, first)
-        _, toks, fin = finish(q)
-        busy, bq, _ = turn(e, words(64, 2), max_tokens=4000, id_slot=fin.slot)
+        c = e.complete(greedy(e, first))
+        busy = e.stream_request(greedy(e, words(64, 2), max_tokens=4000, id_slot=c.final.slot))
+        next(busy)  # the first turn's group is busy from here
         b0 = link.both
-        _, q, _ = turn(e, first + toks + words(64, 3))
-        text, _, fin2 = finish(q)
+        c2 = e.complete(greedy(e, first + c.tokens + words(64, 3)))
         n_link = link.both - b0
-        e.cancel(busy.id)
-        finish(bq)
+        busy.close()  # cancelled
+        fin2, text = c2.final, c2.text
         moved = [g.prefix.moves() for g in e.groups]
         return {"history": n_history, "move_min_tokens": move_min, "cached_tokens": fin2.cached_tokens,
                 "ttft_s": round(fin2.t_first_token, 3), "link_bytes": n_link,

@@ -169,7 +169,7 @@ class Engine:
         """Start ``r`` on ``group`` with its history's state read from group ``source``
         (engine/cache/move.py); the scheduler calls this under its lock: two puts, no wait."""
         state: Future = Future()
-        self.groups[source].inbox.put(ExportMsg(r.prompt_tokens, r.cache_salt, self.config.move_min_tokens, state))
+        self.groups[source].inbox.put(ExportMsg(r.prompt_tokens, r.cache_salt, state))
         self.groups[group].inbox.put(StartMsg(r, state))
 
     def _sink(self, outs: list[Output]) -> None:
@@ -309,12 +309,13 @@ class Engine:
 
     def complete(self, r: Request) -> Completion:
         """The whole answer of a request made already (``accept``, ``make_request``)."""
-        parts, last = [], None
+        parts, tokens, last = [], [], None
         for o in self.stream_request(r):
             parts.append(o.text)
+            tokens.extend(o.tokens)
             last = o
         assert last is not None
-        return Completion("".join(parts), last)
+        return Completion("".join(parts), last, tokens)
 
     def stream_request(self, r: Request) -> Iterator[Output]:
         if self.outputs is None:
@@ -347,13 +348,14 @@ class Engine:
             self.submit(r)
             out = []
             for q in qs:
-                parts = []
+                parts, tokens = [], []
                 while True:
                     o = q.get()
                     parts.append(o.text)
+                    tokens.extend(o.tokens)
                     if o.finish_reason is not None:
                         break
-                out.append(Completion("".join(parts), o))
+                out.append(Completion("".join(parts), o, tokens))
             return out
         finally:
             for m in r.family:

@@ -286,7 +286,7 @@ class PipelineGroup:
             if not m.reply.set_running_or_notify_cancel():
                 continue  # that request stopped waiting for it
             try:
-                m.reply.set_result(self.runner.export_history(self.slots, m.prompt, m.salt, m.min_tokens))
+                m.reply.set_result(self.runner.export_history(self.slots, m.prompt, m.salt, self.config.move_min_tokens))
             except Exception as e:  # the other group evaluates the history itself
                 log.exception("group %d: reading a history's state for another group failed", self.index)
                 m.reply.set_exception(e)

@@ -25,7 +25,6 @@ class ExportMsg:
 
     prompt: list[int]
     salt: str
-    min_tokens: int
     reply: Future
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.types import Output
 
@@ -14,6 +14,7 @@ from engine.types import Output
 class Completion:
     text: str
     final: Output
+    tokens: list[int] = field(default_factory=list)  # the token ids generated (not the end-of-generation token)
 
 
 class OutputQueues:

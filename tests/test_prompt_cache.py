@@ -291,23 +291,10 @@ def test_an_edit_inside_a_long_prompt_of_a_hybrid_model_recomputes_from_the_chec
 
 # ---- a history the other group holds (engine/cache/move.py) -------------------------------------
 
-def ask(e, prompt: list[int], max_tokens: int = 8, salt: str = "", id_slot: int = -1):
-    """Submit a greedy request; its output queue."""
-    r = e.make_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                       id_slot=id_slot, cache_salt=salt)
-    q = e.outputs.register(r.id)
-    e.submit(r)
-    return r, q
-
-
-def answer(q) -> tuple[str, list[int], object]:
-    texts, toks = [], []
-    while True:
-        o = q.get(timeout=60)
-        texts.append(o.text)
-        toks.extend(o.tokens)
-        if o.finish_reason is not None:
-            return "".join(texts), toks, o
+def greedy(e, prompt: list[int], max_tokens: int = 8, salt: str = "", id_slot: int = -1):
+    """A greedy request for ``prompt`` (made, not submitted)."""
+    return e.make_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                          id_slot=id_slot, cache_salt=salt)
 
 
 def returning_elsewhere(e, conv: int = 0, n_user: int = 300, salt: str = "", salt_next: str | None = None,
@@ -317,18 +304,21 @@ def returning_elsewhere(e, conv: int = 0, n_user: int = 300, salt: str = "", sal
     next turn (under ``salt_next``): the only free slot is the other group's; ``answered()``
     once it is answered. Returns that turn's text, its final output and the history's length."""
     first = SYSTEM + user(conv, 0, n_user)
-    _, toks, fin = answer(ask(e, first, salt=salt)[1])
-    history = first + toks
-    held = e.slots[fin.slot]
-    busy, q = ask(e, user(50 + conv, 0), max_tokens=4000, id_slot=held.id)  # the scheduler's busy slot from here
+    c = e.complete(greedy(e, first, salt=salt))
+    history = first + c.tokens
+    held = e.slots[c.final.slot]
+    r_busy = greedy(e, user(50 + conv, 0), max_tokens=4000, id_slot=held.id)
+    busy = e.stream_request(r_busy)
+    next(busy)  # it runs on the held slot: the scheduler's busy one from here
     try:
-        text, _, fin2 = answer(ask(e, history + user(conv, 1), salt=salt if salt_next is None else salt_next)[1])
+        c2 = e.complete(greedy(e, history + user(conv, 1), salt=salt if salt_next is None else salt_next))
         answered()
     finally:
-        e.cancel(busy.id)
-        answer(q)
-    assert e.slots[fin2.slot].group != held.group  # it was served where its history was not
-    return text, fin2, len(history)
+        e.cancel(r_busy.id)
+        for _ in busy:  # to its cancelled end
+            pass
+    assert e.slots[c2.final.slot].group != held.group  # it was served where its history was not
+    return c2.text, c2.final, len(history)
 
 
 def moves(e) -> list[tuple[int, int, int, int]]:

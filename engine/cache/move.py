@@ -61,7 +61,7 @@ def export_history(prefix: PrefixCache, ctx: Context, mtp_ctx: Context | None, s
                    prompt: list[int], salt: str, min_n: int) -> Moved | None:
     """The state of the holding group's sequence with the longest prefix of ``prompt`` (at least
     ``min_n`` tokens, under ``salt``), read on that group's thread between its steps."""
-    src, _ = prefix.best_held(prompt, salt, slots, min_n)
+    src = prefix.best_held(prompt, salt, slots, min_n)
     if src is None:
         return None
     moved = Moved(tuple(src.cache_tokens), src.cache_salt, ctx.seq_state(src.seq_id),

@@ -139,11 +139,11 @@ class PrefixCache:
                     best = Reuse(own=n_own, source=o, shared=m, ready=o.n_prompt_done >= m)
         return best
 
-    def best_held(self, prompt: list[int], salt: str, slots: list[Slot], min_n: int) -> tuple[Slot | None, int]:
+    def best_held(self, prompt: list[int], salt: str, slots: list[Slot], min_n: int) -> Slot | None:
         """The group's sequence (a slot's, busy or idle, or a prompt cache entry's) whose KV
-        holds the longest prefix of ``prompt`` written under ``salt``, and that prefix's length:
-        the whole state where it cannot be cut, never one a queued copy has yet to fill;
-        (None, 0) below ``min_n`` tokens. What another group would take (engine/cache/move.py)."""
+        holds the longest prefix of ``prompt`` written under ``salt``: the whole state where it
+        cannot be cut, never one a queued copy has yet to fill; None below ``min_n`` tokens.
+        What another group would take (engine/cache/move.py)."""
         p = np.asarray(prompt, np.int32)
         cap = len(prompt) - 1
         best, n_best = None, 0
@@ -155,7 +155,7 @@ class PrefixCache:
                 continue
             if n >= max(min_n, 1) and n > n_best and window_holds(self.ctx, self.n_swa, o.seq_id, n):
                 best, n_best = o, n
-        return best, n_best
+        return best
 
     def moves(self) -> tuple[int, int, int, int]:
         """Histories taken from other groups (requests, prompt tokens, bytes), and given them."""

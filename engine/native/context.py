@@ -161,7 +161,7 @@ class Context:
         got = llama_cpp.llama_state_seq_get_data(self.ptr, buf, n, seq_id)
         if got == 0 and n:
             raise NativeError(f"reading the state of sequence {seq_id} failed")
-        return bytes(buf[:got])
+        return ctypes.string_at(buf, got)  # one copy (slicing the array would build a list of ints)
 
     def set_seq_state(self, data: bytes, seq_id: int) -> bool:
         """Replace a sequence's state by one ``seq_state`` read (from a context of the same
