@@ -85,6 +85,7 @@ LARGE_BODY_BYTES = 64 * 1024
     health_check_period_s=2,
     health_check_timeout_s=30,
     graceful_shutdown_timeout_s=30,
+    graceful_shutdown_wait_loop_s=0.25,  # how often a stopping replica looks whether it has drained
     # pairs: prefix affinity and load across replicas, calls that name a replica go to it
     request_router_config=RequestRouterConfig(request_router_class="deployments.router:PairRouter",
                                               request_routing_stats_period_s=STATS_PERIOD_S),
@@ -219,10 +220,6 @@ class EngineDeployment:
             return
         async for item in self.out.serve(ingress_id, conn_id, {"connected": self._replica}):
             yield item
-
-    async def close_stream(self, conn_id: str, replica: str | None = None) -> bool:
-        """End one output stream (its ingress replica is stopping); its requests are cancelled."""
-        return self.out.close(conn_id)
 
     # ---- requests ---------------------------------------------------------------------------
 

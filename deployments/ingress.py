@@ -104,7 +104,8 @@ for _method, _paths, _handler in api.ROUTES:
 MAX_ONGOING = 2048  # requests in flight per ingress replica, through Serve's proxy or not
 
 
-@serve.deployment(name="ingress", max_ongoing_requests=MAX_ONGOING, graceful_shutdown_timeout_s=30)
+@serve.deployment(name="ingress", max_ongoing_requests=MAX_ONGOING, graceful_shutdown_timeout_s=30,
+                  graceful_shutdown_wait_loop_s=0.25)
 @serve.ingress(app)
 class Ingress:
     async def __init__(

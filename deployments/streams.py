@@ -217,7 +217,10 @@ class IngressStreams:
                         if p is not None:
                             p.queue.put_nowait(o)
             except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():  # the ingress is stopping
+                if asyncio.current_task().cancelling():  # the ingress is stopping, or the replica is gone
+                    # straight to the replica, not through the router (which no longer lists a
+                    # stopping replica): its graceful shutdown would otherwise wait on this call
+                    gen.cancel()
                     raise
                 log.warning("output stream %s from the engine was cancelled", conn[:8])
             except Exception as e:  # the engine replica died or is being replaced
@@ -296,13 +299,10 @@ class IngressStreams:
 
     async def close(self) -> None:
         """End this replica's streams at the engines (whose graceful shutdown otherwise waits
-        out its timeout on them: a caller that goes away does not end a streaming call there)."""
-        streams = dict(self.streams)
-        for t in [self.discover_task, *self.pumps.values()]:
-            if t is not None:
-                t.cancel()
-        for replica, conn in streams.items():
-            try:
-                await asyncio.wait_for(self.engine.close_stream.remote(conn, replica=replica), 5.0)
-            except Exception:  # the engine is gone or going: nothing holds it
-                pass
+        out its timeout on them: a caller that goes away does not end a streaming call there).
+        Each pump cancels its call at the replica that serves it, directly: a stopping engine
+        replica is no longer in the router's list, so a call routed to it would not arrive."""
+        tasks = [t for t in [self.discover_task, *self.pumps.values()] if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
