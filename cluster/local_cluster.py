@@ -55,11 +55,6 @@ def _run(args: list[str], env: dict[str, str] | None = None) -> None:
     subprocess.run(args, check=True, env=tuned_env(env), stdout=subprocess.DEVNULL)
 
 
-def _start(args: list[str], env: dict[str, str] | None = None) -> tuple[list[str], subprocess.Popen]:
-    log.info("$ %s", " ".join(args))
-    return args, subprocess.Popen(args, env=tuned_env(env), stdout=subprocess.DEVNULL)
-
-
 def start(port: int = DEFAULT_PORT, head_cpus: int = 4, peer_cpus: int = 2, pairs: int = 1,
           node_memory: int | None = None) -> str:
     """Start the head and the peer raylet (and a local and a peer raylet per further pair);
@@ -76,14 +71,15 @@ def start(port: int = DEFAULT_PORT, head_cpus: int = 4, peer_cpus: int = 2, pair
     )
     env = auth_env()
     joiner = [*common, "--include-log-monitor=false"]  # one log monitor per host: the head's
-    joiners = [("stage_peer", peer_cpus)] + [("stage_local", head_cpus // 2), ("stage_peer", peer_cpus)] * (pairs - 1)
-    # the joiners start side by side (each `ray start` is seconds of Python and a raylet's start)
-    procs = [_start([ray, "start", f"--address={address}", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}",
-                     "--resources=" + json.dumps({resource: 1, **extra}), *joiner], env=env)
-             for resource, cpus in joiners]
-    for args, proc in procs:
-        if proc.wait() != 0:
-            raise subprocess.CalledProcessError(proc.returncode, args)
+    _run(
+        [ray, "start", f"--address={address}", "--node-ip-address=127.0.0.1", f"--num-cpus={peer_cpus}",
+         "--resources=" + json.dumps({"stage_peer": 1, **extra}), *joiner],
+        env=env,
+    )
+    for _ in range(pairs - 1):
+        for resource, cpus in (("stage_local", head_cpus // 2), ("stage_peer", peer_cpus)):
+            _run([ray, "start", f"--address={address}", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}",
+                  "--resources=" + json.dumps({resource: 1, **extra}), *joiner], env=env)
     os.environ.update({k: v for k, v in env.items() if k.startswith("RAY_AUTH")})
     _wait_nodes(address, 2 * pairs)
     return address

@@ -11,6 +11,21 @@ from typing import Any
 from deployments.prompts import MakerConfig, PromptMaker
 
 
+class Streamed:
+    """A streaming call's result as Serve's ``DeploymentResponseGenerator`` is one: iterated,
+    and cancelled (``cancel`` closes the fake stream's generator)."""
+
+    def __init__(self, gen: Any) -> None:
+        self.gen = gen
+        self.cancelled = False
+
+    def __aiter__(self) -> Any:
+        return self.gen.__aiter__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
 class FakeHandle:
     def options(self, **_: Any) -> Any:
         return self

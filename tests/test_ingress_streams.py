@@ -35,7 +35,7 @@ class HeldStream:
 
 
 class Engine(FakeHandle):
-    deployment_name = "engine"
+    deployment_name = "engine-of-test-ingress-streams"  # no replicas known to the router
 
     def __init__(self) -> None:
         self.calls: list[HeldStream] = []

@@ -29,7 +29,7 @@ from deployments.api.openai import ChatCompletionRequest, CompletionRequest
 from deployments.api.values import Submitted
 from engine.text.chat import Bound, ChatTemplate, TooLong
 from engine.text.tokenizer import TokenLimit
-from tests.fake_handle import FakeHandle, fake_maker
+from tests.fake_handle import FakeHandle, Streamed, fake_maker
 
 SLOT = dict(n_ctx=512, n_parallel=2)  # 256 tokens a slot
 
@@ -162,7 +162,7 @@ class _Engine(FakeHandle):
             yield {"connected": "replica-1"}
             await asyncio.Event().wait()
 
-        return stream()
+        return Streamed(stream())
 
     async def _submit(self, conns: dict, req: Any, **_: Any) -> Submitted:
         return Submitted(3, 10, "replica-1", conns["replica-1"], 512)

@@ -21,7 +21,7 @@ from deployments.api.llama import InfillRequest
 from deployments.api.values import Submitted
 from deployments.engine_deployment import NOT_CONNECTED
 from engine.types import Delta, EngineRequest, Failure, Fault, Finish, FinishReason
-from tests.fake_handle import FakeHandle, fake_maker, fake_tokens
+from tests.fake_handle import FakeHandle, Streamed, fake_maker, fake_tokens
 
 SPACE = 2**32 - 1
 STAGE_FROZEN = "the RPC stage did not answer for 61 s (stage_timeout_s 60); the engine replica restarts"
@@ -80,7 +80,7 @@ class FakeEngine(FakeHandle):
                     return
                 yield item
 
-        return stream()
+        return Streamed(stream())
 
     async def _submit(self, conns: dict, req: EngineRequest, **_: Any) -> Any:
         r = self.current
