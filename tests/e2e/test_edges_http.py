@@ -164,8 +164,10 @@ def test_an_engine_replica_restart_resumes_its_streams_and_the_next_ones_complet
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.e2e.streams import resumes, stream_text
+    from tests.e2e.test_peer_failure import cached_before_the_fault, check_no_stale_kv
 
     base = deploy(APP)
+    conversation = cached_before_the_fault(base)  # a conversation cached in the replica to be killed
     long = {"prompt": "long", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
     want = stream_text(base, long)
     assert want[0] == "completed", want
@@ -203,6 +205,8 @@ def test_an_engine_replica_restart_resumes_its_streams_and_the_next_ones_complet
         assert all(a in ("completed", "http 503") for a in after), after
         time.sleep(1)
     assert all(a == "completed" for a in after), after
+    # its next turn on the new replica answers as its uncached twin and as before the death
+    check_no_stale_kv(base, conversation)
     ing, eng = wait_empty()
     assert ing["pending"] == 0 and eng["owners"] == 0 and eng["connections"] == 1, (ing, eng)
 
