@@ -90,12 +90,6 @@ class EngineStreams:
                 self._cancel(rid)
             conn.requests.clear()
 
-    def close(self, conn_id: str) -> bool:
-        conn = self.conns.get(conn_id)
-        if conn is not None:
-            conn.queue.put_nowait(CLOSE)
-        return conn is not None
-
     def cut_all(self, reason: str, fault: Fault) -> int:
         """End every request with a 503 towards its client (``fault``: what failed it), and
         close every stream (Serve's drain of this replica must not wait on them)."""

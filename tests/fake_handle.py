@@ -5,6 +5,7 @@ messages as JSON, a text's tokens its first characters')."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -13,17 +14,17 @@ from deployments.prompts import MakerConfig, PromptMaker
 
 class Streamed:
     """A streaming call's result as Serve's ``DeploymentResponseGenerator`` is one: iterated,
-    and cancelled (``cancel`` closes the fake stream's generator)."""
+    and cancelled (``cancelled`` is set; a fake stream may wait on it to end)."""
 
-    def __init__(self, gen: Any) -> None:
+    def __init__(self, gen: Any = None) -> None:
         self.gen = gen
-        self.cancelled = False
+        self.cancelled = asyncio.Event()
 
     def __aiter__(self) -> Any:
         return self.gen.__aiter__()
 
     def cancel(self) -> None:
-        self.cancelled = True
+        self.cancelled.set()
 
 
 class FakeHandle:

@@ -9,40 +9,26 @@ import asyncio
 from typing import Any
 
 from deployments.streams import IngressStreams
-from tests.fake_handle import FakeHandle
-
-
-class HeldStream:
-    """An engine's ``outputs`` call: registers, then holds the stream open until cancelled."""
-
-    def __init__(self, replica: str) -> None:
-        self.replica = replica
-        self.cancelled = asyncio.Event()
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def __aiter__(self) -> HeldStream:
-        self._sent = False
-        return self
-
-    async def __anext__(self) -> Any:
-        if not self._sent:
-            self._sent = True
-            return {"connected": self.replica}
-        await self.cancelled.wait()
-        raise StopAsyncIteration
+from tests.fake_handle import FakeHandle, Streamed
 
 
 class Engine(FakeHandle):
     deployment_name = "engine-of-test-ingress-streams"  # no replicas known to the router
 
     def __init__(self) -> None:
-        self.calls: list[HeldStream] = []
+        self.calls: list[Streamed] = []
 
-    def _outputs(self, ingress_id: str, conn: str, replica: str | None = None) -> HeldStream:
-        self.calls.append(HeldStream("r1"))
-        return self.calls[-1]
+    def _outputs(self, ingress_id: str, conn: str, replica: str | None = None) -> Streamed:
+        """Registers, then holds the stream open until the call is cancelled."""
+        call = Streamed()
+
+        async def held() -> Any:
+            yield {"connected": "r1"}
+            await call.cancelled.wait()
+
+        call.gen = held()
+        self.calls.append(call)
+        return call
 
 
 def test_closing_the_ingress_cancels_its_streams_at_the_replica_not_through_the_router():
