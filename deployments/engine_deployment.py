@@ -74,6 +74,7 @@ NOT_CONNECTED = "this engine replica has no output stream from the ingress (it r
 # than a core from the decode threads nor make a short request's prompt wait behind them.
 PREPARE_THREADS = 2
 LARGE_BODY_BYTES = 64 * 1024
+STAGE_POLL_S = 1.0  # how often the replica asks whether its stage's server is still the one it loaded on
 
 
 
@@ -118,10 +119,19 @@ class EngineDeployment:
         self._prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
         self._prepare_large = ThreadPoolExecutor(1, thread_name_prefix="prepare-large")
         self._failed: str | None = None  # why this replica must be replaced
+        self._cache_lost = False  # its prompt cache's entries counted as lost (it failed)
         self._draining = False
         for ep in self.config.rpc_endpoints:
             await self._wait_for_stage(ep, stage_wait_s)
+        loaded_under = await self._stage_server()
         self.engine: Engine = await asyncio.to_thread(Engine, self.config, self._sink_from_thread)
+        # the stage server this replica's KV lives on: every slot's and prompt cache entry's
+        # peer-side KV is in buffers that process allocated for this model. Another server (a
+        # restart, a replacement) holds none of it, and this replica never reconnects: it fails
+        # and Serve starts one that loads the model afresh (deployments/engine_deployment.py)
+        self._stage_pid = await self._stage_server()
+        if loaded_under and self._stage_pid and loaded_under != self._stage_pid:
+            self._failed = f"the stage's server changed while the model loaded (pid {loaded_under} -> {self._stage_pid})"
         self.model_name = self.engine.model_name
         self.metrics = EngineMetrics(self.model_name, self._replica)
         self.out = EngineStreams(self.metrics.observe, self.engine.cancel)
@@ -133,6 +143,7 @@ class EngineDeployment:
         self.stage_timeout_s = stage_timeout_s if self.config.rpc_endpoints else None
         self._stall = StallJudge(stage_timeout_s or 60.0, **(stall or {}))
         self._watchdog = self.loop.create_task(self._watch()) if self.stage_timeout_s else None
+        self._server_watch = self.loop.create_task(self._watch_stage_server()) if self._stage_pid else None
         log.info("engine replica %s serving %s", self._replica, self.model_name)
 
     async def _wait_for_stage(self, endpoint: str, timeout_s: float) -> None:
@@ -175,8 +186,27 @@ class EngineDeployment:
             health = await self._stage_health() if late else None
             frozen = judge.frozen(decodes, (health or {}).get("cpu_seconds") if late else None)
             if frozen is not None:
-                self._fail_replica(judge.reason(frozen), Fault.STAGE_FROZEN)
+                self._fail_replica(judge.reason(frozen), Fault.STAGE_FROZEN, "stage_frozen")
                 await self._replace_stage_server(health or await self._stage_health())
+
+    async def _stage_server(self) -> int | None:
+        """The pid of the stage's server process (None: no stage actor, or it does not answer)."""
+        health = await self._stage_health()
+        return (health or {}).get("pid") if health and health.get("accepting") else None
+
+    async def _watch_stage_server(self) -> None:
+        """Fail the replica as soon as the stage's server is another process than the one the
+        model was loaded on (killed and restarted, or replaced after a freeze), busy or idle:
+        the KV of every slot and cached conversation on the peer went with the old process, so
+        nothing may be restored from it, and a request arriving later is served by the next
+        replica instead of failing on a dead connection first."""
+        while self._failed is None:
+            await asyncio.sleep(STAGE_POLL_S)
+            health = await self._stage_health()
+            pid = (health or {}).get("pid")
+            if self._failed is None and pid and pid != self._stage_pid:
+                self._fail_replica(f"the stage's server restarted (pid {self._stage_pid} -> {pid}): the KV this "
+                                   "replica held on it is gone", Fault.ENGINE, "stage_restart")
 
     async def _replace_stage_server(self, health: dict | None) -> None:
         """Have the stage actor replace the server process that froze (``health``: the stage
@@ -196,11 +226,21 @@ class EngineDeployment:
         if replaced:
             log.warning("the stage's frozen server (pid %s) was replaced by a fresh one", pid)
 
-    def _fail_replica(self, reason: str, fault: Fault) -> None:
+    def _fail_replica(self, reason: str, fault: Fault, cause: str) -> None:
         log.error("%s", reason)
         self._failed = reason
         self.metrics.set_stage_up(False)
+        self._lose_cache(cause)
         self.out.cut_all(reason, fault)
+
+    def _lose_cache(self, cause: str) -> None:
+        """The replica fails: the prompt cache entries it holds go with its KV (counted once)."""
+        if not self._cache_lost:
+            self._cache_lost = True
+            n = sum(p.cache_entries for p in self.engine.profiles())
+            self.metrics.count_cache_lost(cause, n)
+            if n:
+                log.warning("%d prompt cache entries dropped with this replica (%s)", n, cause)
 
     # ---- outputs ----------------------------------------------------------------------------
 
@@ -345,7 +385,7 @@ class EngineDeployment:
         views = [{k: getattr(v, k) for k in ("id", "group", "seq_id", "state", "n_cached", "request_id")}
                  for v in self.engine.slot_views()]
         return {"slots": views, "n_ctx_slot": self.engine.n_ctx_slot, "speculative": self.config.speculative is not None,
-                "replica": self._replica}
+                "replica": self._replica, "prompt_cache": self.figures.caches()}
 
     async def slot_action(self, slot_id: int, action: str, filename: str | None,
                           replica: str | None = None) -> dict | ApiError:
@@ -392,6 +432,7 @@ class EngineDeployment:
             raise RuntimeError(self._failed)
         problem = self.engine.problem()
         if problem is not None:
+            self._lose_cache("engine_failed")
             raise RuntimeError(f"engine unhealthy: {problem}")
 
     def __del__(self) -> None:

@@ -186,6 +186,8 @@ class Runner:
             n_reused = reuse.shared if self.prefix.reuse_from(reuse.source, s, reuse.shared) else 0
         else:
             n_reused = self.prefix.keep(s, reuse.own)
+        if not n_reused and r.cache_prompt and st.leader is None and (reuse.source is None or reuse.ready):
+            self.prefix.missed()
         sampler = SamplerChain(r.params, self.n_vocab, self.seed, force_chain=self.backend_sampling,
                                banned=banned, vocab=self.vocab, grammar=r.grammar)
         try:

@@ -18,6 +18,17 @@ from observability.process import rss_bytes
 Sample = tuple[float, float, float | None]
 
 
+def cache_view(p: Any, kv_per_token: dict[str, int]) -> dict[str, Any]:
+    """One group's prompt cache as /slots and the page show it (``p``: the group's profiler
+    snapshot): its entries, the tokens and the KV bytes they hold on each stage's device, and
+    its counters since start, the invalidations by cause."""
+    return {"entries": p.cache_entries, "capacity": p.cache_capacity, "tokens": p.cache_tokens,
+            "bytes": {device: p.cache_tokens * per for device, per in kv_per_token.items()},
+            "hits": p.cache_hits, "misses": p.cache_misses, "reused_tokens": p.cache_reused, "saves": p.cache_saves,
+            "invalidations": {"evicted": p.cache_evictions, "superseded": p.cache_superseded},
+            "moved_in": p.moved_in, "moved_tokens": p.moved_tokens, "moved_out": p.moved_out}
+
+
 class LiveFigures:
     def __init__(self, engine: Any, config: Any, metrics: EngineMetrics,
                  stage_health: Callable[[], Awaitable[dict | None]], replica: str, topology: dict) -> None:
@@ -57,6 +68,11 @@ class LiveFigures:
         return ({k: max(0.0, min(1.0, v)) for k, v in busy.items()}, peer,
                 (now, local_cpu, peer["cpu_seconds"] if peer else None))
 
+    def caches(self) -> dict[int, dict[str, Any]]:
+        """Each group's prompt cache (``cache_view``)."""
+        per = self.engine.kv_bytes_per_token()
+        return {p.group: cache_view(p, per) for p in self.engine.profiles()}
+
     async def page(self) -> dict[str, Any]:
         """The live figures the page at / shows (computed when asked: nothing is kept for a
         page that is not open): each stage's busy share since the last ask, each group's slots
@@ -74,10 +90,7 @@ class LiveFigures:
         for v in self.engine.slot_views():
             groups.setdefault(v.group, []).append({"id": v.id, "state": v.state, "task": v.request_id,
                                                    "cached_tokens": v.n_cached})
-        caches = {p.group: {"entries": p.cache_entries, "capacity": p.cache_capacity, "tokens": p.cache_tokens,
-                            "hits": p.cache_hits, "reused_tokens": p.cache_reused, "evictions": p.cache_evictions,
-                            "moved_in": p.moved_in, "moved_tokens": p.moved_tokens, "moved_out": p.moved_out}
-                  for p in self.engine.profiles()}
+        caches = self.caches()
         running, waiting = self.engine.scheduler.counts()
         # gpu_busy: each GPU of the stage's node, None on a CPU node
         stages = [{"stage": "peer", "where": ep, "busy": busy.get("peer"), "up": bool(peer and peer["accepting"]),

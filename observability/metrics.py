@@ -58,6 +58,10 @@ class EngineMetrics:
                               [*base, "stage", "gpu"], registry=r)
         self.topology = Gauge(P + "topology", "1 on the topology the application runs in: replicas, layer_split or single.",
                               [*base, "topology"], registry=r)
+        self.cache_lost = Counter(P + "prompt_cache_lost_entries", "Prompt cache entries this replica held when it "
+                                  "failed, dropped with its KV (never restored), by cause: stage_restart (the stage's "
+                                  "server is another process), stage_frozen (the watchdog), engine_failed (a group's "
+                                  "compute failed).", [*base, "cause"], registry=r)
         self.stage_up = Gauge(P + "rpc_stage_up", "1 while the engine is connected to its RPC stage (or has none).", base, registry=r)
         self.stage_rss = Gauge(P + "stage_resident_memory_bytes", "Resident memory of a stage's process (engine or RPC server).", [*base, "stage"], registry=r)
         self.load_seconds = Gauge(P + "model_load_seconds", "Seconds the engine took to load the model (both halves, the peer's over the link).", base, registry=r)
@@ -126,6 +130,9 @@ class EngineMetrics:
     def set_media(self, stats: dict | None) -> None:
         """The projector's counters (None: no projector, no media series)."""
         self._media.stats = stats
+
+    def count_cache_lost(self, cause: str, n: int) -> None:
+        self.cache_lost.labels(**self._b, cause=cause).inc(n)
 
     def set_stage_up(self, up: bool) -> None:
         self.stage_up.labels(**self._b).set(1 if up else 0)
@@ -209,6 +216,10 @@ PROMPT_CACHE_SERIES = (
      "Prompt tokens taken from the group's prompt cache instead of being evaluated."),
     (CounterMetricFamily, "prompt_cache_evictions", "cache_evictions",
      "Prompt cache entries overwritten (least recently used) while holding a conversation of their own."),
+    (CounterMetricFamily, "prompt_cache_superseded", "cache_superseded",
+     "Prompt cache entries overwritten by a later state of their own conversation (or one a slot holds)."),
+    (CounterMetricFamily, "prompt_cache_misses", "cache_misses",
+     "Prompts (cache_prompt on) that found nothing to reuse in the group's slots or prompt cache."),
     (CounterMetricFamily, "prompt_cache_moved_in_requests", "moved_in",
      "Requests that took their history's KV from another group's context instead of evaluating it."),
     (CounterMetricFamily, "prompt_cache_moved_in_tokens", "moved_tokens", "Prompt tokens those requests took."),

@@ -46,6 +46,8 @@ class ProfileSnapshot:
     cache_hits: int = 0  # prompts that took a prefix from it
     cache_reused: int = 0  # prompt tokens they took
     cache_evictions: int = 0  # entries overwritten while holding a conversation of their own
+    cache_superseded: int = 0  # entries overwritten by a later state of their conversation
+    cache_misses: int = 0  # prompts that found nothing to reuse
     wait: float = 0.0
     draft: float = 0.0
     batch: float = 0.0

@@ -14,7 +14,7 @@ import pytest
 
 from deployments.api.openai import CompletionRequest
 from deployments.api.values import Submitted
-from deployments.engine_deployment import NOT_CONNECTED, EngineDeployment
+from deployments.engine_deployment import NOT_CONNECTED, STAGE_POLL_S, EngineDeployment
 from deployments.prompts import PromptMaker
 from engine.types import SHUTTING_DOWN, Decode, Fault, Output
 
@@ -37,8 +37,9 @@ def run(model_path: str, body: Callable, **cfg: Any) -> None:
         try:
             await body(d)
         finally:
-            if d._watchdog is not None:  # noqa: SLF001
-                d._watchdog.cancel()  # noqa: SLF001
+            for task in (d._watchdog, d._server_watch):  # noqa: SLF001
+                if task is not None:
+                    task.cancel()
             await asyncio.to_thread(d.engine.close)
 
     asyncio.run(main())
@@ -167,6 +168,45 @@ def test_the_watchdog_fails_in_flight_requests_and_reports_unhealthy(model_path)
         await body(d)
 
     run(model_path, with_stage)
+
+
+def test_a_stage_server_restarted_while_idle_fails_the_replica_before_any_request_meets_it(model_path):
+    """The KV of the cached conversations lives in the server process the model was loaded on:
+    when the stage's server is another process (killed and restarted between turns), the replica
+    fails by itself, its entries counted as lost, and no request is served from it."""
+    server = {"pid": 4321}
+
+    async def health() -> dict:
+        return {**server, "accepting": True, "cpu_seconds": 0.0, "threads": 1}
+
+    async def body(d: Any) -> None:
+        d._stage_health, d._stage_pid = health, 4321  # noqa: SLF001  as if loaded on a stage's server
+        d._server_watch = asyncio.get_running_loop().create_task(d._watch_stage_server())  # noqa: SLF001
+        s = await connect(d, "ingress-1", "c")
+        for i in range(3):  # two slots: the third conversation saves the first into the prompt cache
+            body = {"prompt": f"conversation {i} " + "with a history worth keeping " * 8, "max_tokens": 2}
+            assert isinstance(await submit(d, "c", f"r{i}", CompletionRequest(**body)), Submitted)
+            while not any(o.finish_reason for o in await next_outputs(s)):
+                pass
+        deadline = time.monotonic() + 10
+        while sum(p.cache_entries for p in d.engine.profiles()) < 1:
+            assert time.monotonic() < deadline, "nothing was saved into the prompt cache"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(2.5 * STAGE_POLL_S)  # the same server: nothing happens
+        d.check_health()
+        server["pid"] = 5555  # the server was killed and its supervisor started another
+        deadline = time.monotonic() + 10
+        while d._failed is None:  # noqa: SLF001
+            assert time.monotonic() < deadline, "the replica did not see the stage's new server"
+            await asyncio.sleep(0.05)
+        with pytest.raises(RuntimeError, match="restarted"):
+            d.check_health()
+        assert (await submit(d, "c", "r9", CompletionRequest(**SHORT))).status == 503
+        lost = d.metrics.registry.get_sample_value(
+            "pgroups_prompt_cache_lost_entries_total", {"model": d.model_name, "replica": "local", "cause": "stage_restart"})
+        assert lost == sum(p.cache_entries for p in d.engine.profiles()) >= 1
+
+    run(model_path, body)
 
 
 def test_drain_finishes_short_requests_and_cuts_long_ones_with_an_error(model_path):

@@ -58,11 +58,11 @@ def test_a_save_takes_an_empty_entry_then_a_redundant_one_then_the_least_recentl
     a, b, d = c.entries
     a.cache_tokens[:] = [1, 2, 3, 4, 5]
     b.cache_tokens[:] = [9, 9, 9, 9]
-    c.saved(a, False)
-    c.saved(b, False)
+    c.saved(a, False, False)
+    c.saved(b, False, False)
     assert c.victim([7, 7, 7, 7], set()) == (d, False)  # empty first
     d.cache_tokens[:] = [8, 8, 8, 8]
-    c.saved(d, False)
+    c.saved(d, False, False)
     # a slot holds a's tokens and more (it was restored from a): a goes first, no eviction
     assert c.victim([7, 7, 7, 7], set(), slots=[[1, 2, 3, 4, 5, 6, 7]]) == (a, False)
     # the saved tokens continue b's but for its last token (a re-rendered end): b is superseded
@@ -71,6 +71,11 @@ def test_a_save_takes_an_empty_entry_then_a_redundant_one_then_the_least_recentl
     assert c.victim([7, 7, 7, 7], set()) == (a, True)
     assert c.victim([7, 7, 7, 7], {a.seq_id}) == (b, True)
     assert c.victim([7, 7, 7, 7], {2, 3, 4}) == (None, False)
+    # the counters tell an overwrite of a redundant entry from an eviction
+    c.saved(b, False, True)
+    c.saved(a, True, True)
+    s = c.stats()
+    assert (s.saves, s.superseded, s.evictions, s.misses) == (5, 1, 1, 0)
 
 
 def test_where_no_prefix_can_be_taken_back_a_checkpoint_a_later_state_continues_goes_first():
@@ -80,7 +85,7 @@ def test_where_no_prefix_can_be_taken_back_a_checkpoint_a_later_state_continues_
     final.cache_tokens[:] = [1, 2, 3, 4, 5]  # the same conversation after its answer
     other.cache_tokens[:] = [7, 7, 7, 7, 7, 7, 7, 7]  # a conversation of its own, longer than both
     for e in (other, ckpt, final):  # other least recently used
-        c.saved(e, False)
+        c.saved(e, False, False)
     assert c.victim([9, 9, 9], set()) == (ckpt, False)
     # with the checkpoint excluded, nothing the others hold is continued by a longer state: an
     # eviction of the least recently used, however long the other lists are
@@ -138,6 +143,8 @@ def test_a_cache_smaller_than_the_conversations_evicts_and_nothing_fails(make_en
     assert got == chat(ref, 4, 3)[0]
     (s,) = cache_stats(e)
     assert s.evictions > 0 and s.saves > 0
+    # only the very first prompt found nothing: every later one took at least the system prompt
+    assert s.misses == 1
     # every returning turn still got at least the shared system prompt
     assert all(c >= len(SYSTEM) for c, _, _ in reuse)
     assert e.healthy and e.scheduler.counts() == (0, 0)

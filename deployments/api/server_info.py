@@ -111,6 +111,8 @@ def llama_slots(report: dict) -> list[dict]:
             "n_cached_tokens": v["n_cached"],
             "id_task": v["request_id"],
             "replica": report["replica"],
+            # the group's prompt cache (observability/live.py): the same for each slot of a group
+            "prompt_cache": report.get("prompt_cache", {}).get(v["group"]),
         }
         for v in report["slots"]
     ]

@@ -278,6 +278,13 @@ function renderPipeline(data) {
       el("span", {}, el("b", { testid: "tps" }, total.toFixed(1)), " tokens/s (last minute)"),
       el("span", {}, el("b", {}, String(data.replicas.length)), " engine replica" + (data.replicas.length === 1 ? "" : "s")),
       el("span", {}, "topology ", el("b", { testid: "topology" }, data.topology.topology), " — " + data.topology.reason)));
+  const mib = (n) => `${(n / 1048576).toFixed(1)} MiB`;
+  // a group's prompt cache: what it holds on each stage's device, and its counters since start
+  const cacheLine = (c) => el("div", { class: "muted", testid: "prompt-cache" },
+    `prompt cache: ${c.entries}/${c.capacity} entries, ${c.tokens} tokens` +
+    (Object.keys(c.bytes).length ? ` (${Object.entries(c.bytes).map(([d, n]) => `${mib(n)} on ${d}`).join(", ")})` : "") +
+    `; ${c.hits} hits, ${c.misses} misses, ${c.reused_tokens} tokens reused; ` +
+    `${c.invalidations.evicted} evicted, ${c.invalidations.superseded} superseded`);
   $("pipeline-replicas").replaceChildren(...data.replicas.map((r) => {
     const ttft = r.ttft_s.median === null ? "–" : `${r.ttft_s.median.toFixed(2)} s median, ${r.ttft_s.p99.toFixed(2)} s p99`;
     const stages = el("div", { class: "stages" }, ...r.stages.map((s) => el("div", { class: "stage", testid: "stage-" + s.stage },
@@ -292,9 +299,7 @@ function renderPipeline(data) {
         el("div", {}, el("b", {}, "group " + g.group), ` ${busy}/${g.slots.length} slots busy`),
         el("div", { class: "slots" }, ...g.slots.map((s) => el("div", { class: "slot " + s.state, testid: "slot", "data-state": s.state },
           `#${s.id} ${s.state}`, el("br"), `${s.cached_tokens} cached`, s.task ? el("br") : "", s.task ? String(s.task).slice(0, 14) : ""))),
-        g.prompt_cache && g.prompt_cache.capacity ? el("div", { class: "muted", testid: "prompt-cache" },
-          `prompt cache: ${g.prompt_cache.entries}/${g.prompt_cache.capacity} entries, ${g.prompt_cache.tokens} tokens; ` +
-          `${g.prompt_cache.hits} hits, ${g.prompt_cache.reused_tokens} tokens reused, ${g.prompt_cache.evictions} evicted`) : "");
+        g.prompt_cache && g.prompt_cache.capacity ? cacheLine(g.prompt_cache) : "");
     }));
     return el("div", { class: "replica", testid: "replica" },
       el("div", {}, el("b", {}, "replica " + r.replica), " ", el("span", { class: "muted" }, r.model)),

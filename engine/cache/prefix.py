@@ -187,6 +187,11 @@ class PrefixCache:
             self.n_copied += n
         return True
 
+    def missed(self) -> None:
+        """A prompt starts with nothing reused (counted by the prompt cache, where there is one)."""
+        if self.kept is not None:
+            self.kept.missed()
+
     def save(self, slot: Slot, n_keep: int, source: Slot | None = None, slots: list[Slot] = ()) -> bool:
         """Before the slot keeps only its first ``n_keep`` tokens (and takes ``source``'s):
         save all it holds into the prompt cache, when that is worth it (``slots``: the group's,
@@ -211,9 +216,10 @@ class PrefixCache:
         if source is not None:
             busy.add(source.seq_id)
         entry, evicted = kept.victim(slot.cache_tokens, busy, [o.cache_tokens for o in slots if o is not slot])
+        held = entry is not None and bool(entry.cache_tokens)
         if entry is None or not self.copy(slot, entry, len(slot.cache_tokens)):
             return False
-        kept.saved(entry, evicted)
+        kept.saved(entry, evicted, held)
         return True
 
     def copy(self, src: Slot, dst: Slot, n: int) -> bool:

@@ -71,6 +71,8 @@ class CacheStats:
     hits: int = 0  # prompts that took a prefix from an entry
     reused: int = 0  # prompt tokens those prompts took from entries
     evictions: int = 0  # entries overwritten while still holding a conversation of their own
+    superseded: int = 0  # entries overwritten by a later state of their conversation (or one a slot holds)
+    misses: int = 0  # prompts (cache_prompt on) that found nothing to reuse anywhere: evaluated whole
 
 
 class PromptCache:
@@ -87,7 +89,7 @@ class PromptCache:
         self.min_tokens = max(1, min_tokens)  # fewer tokens than this are not worth an entry
         self.slack = 0 if exact else slack
         self.exact = exact
-        self.n_saves = self.n_hits = self.n_reused = self.n_evictions = 0
+        self.n_saves = self.n_hits = self.n_reused = self.n_evictions = self.n_superseded = self.n_misses = 0
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -138,10 +140,17 @@ class PromptCache:
             return min(old, key=lambda e: e.last_used), False
         return min(free, key=lambda e: e.last_used), True
 
-    def saved(self, entry: Slot, evicted: bool) -> None:
+    def saved(self, entry: Slot, evicted: bool, held: bool) -> None:
+        """A save went into ``entry``, which ``held`` tokens before: of a conversation of its own
+        (``evicted``), or one the save or a slot continues (superseded)."""
         entry.last_used = time.monotonic()
         self.n_saves += 1
         self.n_evictions += evicted
+        self.n_superseded += held and not evicted
+
+    def missed(self) -> None:
+        """A prompt reused nothing: no entry, no slot of the group held any of it."""
+        self.n_misses += 1
 
     def hit(self, entry: Slot, n: int) -> None:
         entry.last_used = time.monotonic()
@@ -155,4 +164,5 @@ class PromptCache:
     def stats(self) -> CacheStats:
         held = self.held()
         return CacheStats(len(self.entries), len(held), sum(len(e.cache_tokens) for e in held),
-                          self.n_saves, self.n_hits, self.n_reused, self.n_evictions)
+                          self.n_saves, self.n_hits, self.n_reused, self.n_evictions, self.n_superseded,
+                          self.n_misses)

@@ -9,13 +9,17 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
+import pytest
 import ray
 
 from deployments.stage.actor import get_stage
 from tests.e2e.streams import resumes, stream_text
 from tests.e2e.test_http_api import APP as HTTP_APP
+from tests.images import data_url, png
+from tests.models.families import write_family
 
 log = logging.getLogger(__name__)
 
@@ -159,3 +163,78 @@ def test_a_frozen_stage_is_replaced_and_its_streams_resume_while_it_stays_frozen
     check_no_stale_kv(base, conversation)
     record_property("frozen_to_completed_s", round(done, 2))
     log.warning("frozen stage: replaced; the streams completed %.1f s after SIGSTOP", done)
+
+
+# ---- a stage restarted between two turns, with images and checkpoints in the cached history ----
+
+IMAGE_TURN = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png(40, 30, 5))}},
+                                           {"type": "text", "text": "what is in it?"}]}]
+
+
+def next_turn(base: str, cache: bool, image: bool) -> tuple[str, int]:
+    """A conversation's second turn, greedy, both turns sent with ``cache``: its text and the
+    prompt tokens it reused. The first turn's state (its image's KV, or a recurrent state and
+    its checkpoint) is what the second continues."""
+    def ask(first: str) -> dict:
+        if image:
+            msgs = IMAGE_TURN + ([{"role": "assistant", "content": first}, {"role": "user", "content": "and more?"}]
+                                 if first else [])
+            body = {"messages": msgs, "max_tokens": 8, "temperature": 0, "cache_prompt": cache}
+            r = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+        else:
+            body = {"prompt": HISTORY + first + (" and then" if first else ""), "max_tokens": 8, "temperature": 0,
+                    "ignore_eos": True, "cache_prompt": cache}
+            r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def text(a: dict) -> str:
+        c = a["choices"][0]
+        return c["message"]["content"] if image else c["text"]
+
+    second = ask(text(ask("")))
+    return text(second), second["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def wait_for_a_new_replica(base: str, old: str, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert time.monotonic() < deadline, "no new engine replica after the stage restarted"
+        try:
+            r = httpx.get(base + "/slots", timeout=5)
+            if r.status_code == 200 and r.json() and r.json()[0]["replica"] != old:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+
+
+@pytest.fixture(scope="module")
+def family_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
+    return lambda arch: str(write_family(tmp_path_factory.mktemp(arch) / f"{arch}.gguf", arch))
+
+
+@pytest.mark.parametrize("arch", ["synthetic", "qwen35", "gpt-oss"])
+def test_a_stage_restarted_between_turns_restores_nothing_of_the_cached_history(deploy, family_model, arch):
+    """The stage's server is killed while idle and its supervisor starts another: the replica
+    sees another process, fails by itself (no request meets the dead connection), and its
+    successor answers each cached conversation's next turn as its uncached twin does. The
+    histories hold an image's KV (the synthetic model's projector), a hybrid model's recurrent
+    state and its checkpoints (qwen35), or a sliding window with sinks (gpt-oss)."""
+    app = APP if arch == "synthetic" else {**APP, "model": family_model(arch), "mmproj": None}
+    base = deploy(app)
+    kinds = [False, True] if arch == "synthetic" else [False]  # text, and a conversation about an image
+    before = {image: next_turn(base, True, image) for image in kinds}
+    assert all(cached > 0 for _, cached in before.values()), before  # served from the cache
+    stage = get_stage()
+    health = ray.get(stage.health.remote())
+    replica = httpx.get(base + "/slots", timeout=10).json()[0]["replica"]
+    resumed = resumes(base)
+    os.kill(health["pid"], signal.SIGKILL)
+    wait_for_a_new_replica(base, replica)
+    assert resumes(base) == resumed  # nothing was in flight, nothing failed
+    for image in kinds:
+        cached, _ = next_turn(base, True, image)
+        twin, twin_cached = next_turn(base, False, image)
+        assert twin_cached == 0
+        assert cached == twin == before[image][0], (image, cached, twin, before[image][0])
