@@ -89,7 +89,8 @@ class PipelineGroup:
         self.budget = budget  # chunked prefill's, shared by the engine's groups
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         # the slots' cells (the prompt cache's entries are counted apart)
-        self.prof = GroupProfiler(index, kv_total=self.n_ctx_slot * len(slots), enabled_log=config.profile)
+        self.prof = GroupProfiler(index, kv_total=self.n_ctx_slot * len(slots), enabled_log=config.profile,
+                                  cache=self.prefix.kept.stats() if self.prefix.kept else None)
         self.processor = OutputProcessor(index, tokenizer, self.runner, self.prof, config.sample_threads_per_group())
         self.active: list[Slot] = []
         # requests waiting for their history's state from another group (engine/cache/move.py),

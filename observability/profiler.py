@@ -83,18 +83,26 @@ class ProfileSnapshot:
         )
 
 
+def _cache_fields(cache: object | None) -> dict[str, int]:
+    """A ``CacheStats``' figures as the snapshot's ``cache_*`` fields."""
+    return {f"cache_{f.name}": getattr(cache, f.name) for f in fields(cache)} if cache is not None else {}
+
+
 class GroupProfiler:
     """Accumulates phase times; written only by its group's thread."""
 
     def __init__(
-        self, group: int, kv_total: int = 0, log_every_s: float = 5.0, enabled_log: bool = False
+        self, group: int, kv_total: int = 0, log_every_s: float = 5.0, enabled_log: bool = False,
+        cache: object | None = None,
     ) -> None:
+        """``cache``: the group's prompt cache's ``CacheStats`` at start (its capacity is read
+        before the first step)."""
         self.group = group
         self.kv_total = kv_total
         self._acc = dict.fromkeys((*PHASES, "decode_cpu"), 0.0)
         self._steps = self._rows = self._tokens = self._busy = self._ubatches = 0
         self._drafts = self._drafted = self._accepted = 0
-        self.snapshot = ProfileSnapshot(group=group, kv_total=kv_total)
+        self.snapshot = ProfileSnapshot(group=group, kv_total=kv_total, **_cache_fields(cache))
         self._log_every = log_every_s
         self._log_enabled = enabled_log
         self._last_log_t = time.monotonic()
@@ -145,7 +153,7 @@ class GroupProfiler:
             accepted=self._accepted,
             prefix_copied=copied,
             moved_in=moved[0], moved_tokens=moved[1], moved_bytes=moved[2], moved_out=moved[3],
-            **({f"cache_{f.name}": getattr(cache, f.name) for f in fields(cache)} if cache is not None else {}),
+            **_cache_fields(cache),
             **self._acc,
         )
         if self._log_enabled:

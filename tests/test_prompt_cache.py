@@ -115,6 +115,8 @@ def test_conversations_beyond_the_slots_reuse_their_history_and_the_text_does_no
     on = make_engine(n_parallel=2 * groups, pipeline_groups=groups, n_ctx=2048 * groups)
     off = make_engine(n_parallel=2 * groups, pipeline_groups=groups, n_ctx=2048 * groups, prompt_cache_mib=0)
     assert on.n_kept == 2 and off.n_kept == 0
+    # the cache's size is published before the first step (the page and /slots read it)
+    assert [p.cache_capacity for p in on.profiles()] == [2] * groups
     got, reuse = chat(on, n_conv, 3)
     ref, reuse_off = chat(off, n_conv, 3)
     assert got == ref

@@ -39,6 +39,11 @@ def test_health_models_and_slots(base, client):
     slots = httpx.get(base + "/slots").json()
     assert [s["group"] for s in slots] == [0, 0, 1, 1]
     assert [s["seq_id"] for s in slots] == [0, 1, 0, 1]
+    # each slot carries its group's prompt cache: one entry a slot by default, KV on both stages
+    caches = [s["prompt_cache"] for s in slots]
+    assert caches[0] == caches[1] and [c["capacity"] for c in caches] == [2] * 4, caches
+    assert any(d.startswith("RPC") for d in caches[0]["bytes"]) and len(caches[0]["bytes"]) == 2
+    assert set(caches[0]["invalidations"]) == {"evicted", "superseded"}
 
 
 def test_completion(client):

@@ -198,6 +198,9 @@ def test_the_pipeline_view_shows_both_groups_busy_under_load_and_idle_after(page
         page.locator("[data-testid=slot][data-state=generating]").first.wait_for(timeout=30_000)
         assert page.locator("[data-testid=stage-peer]").count() == 1
         assert page.locator("[data-testid=topology]").inner_text() == "layer_split"
+        # each group's prompt cache beside it: what it holds on each stage's device, its counters
+        cache = page.locator("[data-testid=prompt-cache]").first.inner_text()
+        assert "MiB on RPC" in cache and "misses" in cache and "superseded" in cache, cache
         screenshot(page, "page-pipeline.png")
     finally:
         stop.set()
