@@ -56,8 +56,12 @@ def both_ways(plan: ReasoningPlan | None, tools: ToolReading | None, text: str) 
     """The whole answer's reading, checked against the stream's (a character a step)."""
     whole = read_answer(plan, tools, text)
     r = AnswerReader(plan, tools)
-    parts = [r.feed(ch) for ch in text]
+    parts, early = [], []
+    for ch in text:
+        parts.append(r.feed(ch))
+        early += r.ready_calls()  # the calls closed so far stream before the answer ends
     more, rest, calls = r.finish()
+    calls = early + calls
     streamed = ("".join(p[0] for p in parts) + more, "".join(p[1] for p in parts) + rest)
     assert streamed[0] == whole[0]
     assert streamed[1].strip() == whole[1].strip()
@@ -213,6 +217,47 @@ def test_hermes_calls_and_plain_text() -> None:
     assert both_ways(None, reading(ToolFormat.HERMES), "no call here") == ("", "no call here", [])
 
 
+def calls_streamed_before_the_end(tools: ToolReading, plan: ReasoningPlan | None, text: str) -> list:
+    """The calls ready once ``text`` has been fed a character at a time (the answer goes on)."""
+    r = AnswerReader(plan, tools)
+    ready: list = []
+    for ch in text:
+        r.feed(ch)
+        ready += r.ready_calls()
+    return [c["function"]["name"] for c in ready]
+
+
+@pytest.mark.parametrize("fmt", [ToolFormat.HERMES, ToolFormat.QWEN3_CODER, ToolFormat.DEEPSEEK_V31,
+                                 ToolFormat.HARMONY])
+def test_of_parallel_calls_the_first_streams_as_soon_as_it_is_closed(fmt: ToolFormat) -> None:
+    first, second = {
+        ToolFormat.HERMES: ('<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>\n',
+                            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'),
+        ToolFormat.QWEN3_CODER: ("<tool_call>\n<function=search>\n<parameter=q>\nx\n</parameter>\n</function>\n"
+                                 "</tool_call>\n", "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n"
+                                 "</parameter>\n</function>\n</tool_call>"),
+        ToolFormat.DEEPSEEK_V31: ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{"q": "x"}<｜tool▁call▁end｜>',
+                                  '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}<｜tool▁call▁end｜>'
+                                  "<｜tool▁calls▁end｜>"),
+        ToolFormat.HARMONY: ('<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"q": "x"}<|call|>',
+                             '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
+                             '<|message|>{"city": "Oslo"}<|call|>'),
+    }[fmt]
+    plan = HARMONY if fmt is ToolFormat.HARMONY else None
+    text = first + second
+    assert calls_streamed_before_the_end(reading(fmt), plan, first) == ["search"]
+    assert calls_streamed_before_the_end(reading(fmt), plan, first.rstrip()[:-1]) == []  # not before its end
+    _, _, calls = both_ways(plan, reading(fmt), text)
+    assert [c["function"]["name"] for c in calls] == ["search", "get_weather"]
+    # without parallel calls the first is the only one, streamed or not
+    assert calls_streamed_before_the_end(reading(fmt, parallel=False), plan, text) == ["search"]
+    r = AnswerReader(plan, reading(fmt, parallel=False))
+    for ch in text:
+        r.feed(ch)
+        r.ready_calls()
+    assert r.finish()[2] == []
+
+
 # ---- through the chat API's choices: whole and as SSE chunks ---------------------------------------
 
 
@@ -258,3 +303,82 @@ def test_anthropic_and_responses_answers_of_harmony_carry_no_markup() -> None:
     r = ResponsesShaper(SimpleNamespace(rid="resp_1", model="m", submitted=sub, request=req))
     r.add([fin])
     assert r.final()["output"][0]["content"][0]["text"] == "Hello there"
+
+
+def test_streamed_chat_calls_go_out_one_by_one_with_their_indices() -> None:
+    from deployments.api.openai import Choice, SseEvents
+    from engine.types import Delta, Finish, FinishReason
+
+    first = '<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>\n'
+    second = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    s, ev = Choice(0, "chat", False, reading(ToolFormat.HERMES), None), SseEvents("r", "chat", "m", False)
+
+    def deltas(raw: bytes) -> list[dict]:
+        return [json.loads(line[6:])["choices"][0] for line in raw.decode().split("\n") if line.startswith("data: ")]
+
+    early = deltas(s.events(ev, [Delta("r", "Checking. " + first, 1)]))  # the answer is not over
+    assert [d["delta"].get("content") for d in early if d["delta"].get("content")] == ["Checking. "]
+    assert [(tc["index"], tc["function"]["name"]) for d in early for tc in d["delta"].get("tool_calls", [])] == \
+        [(0, "search")]
+    late = deltas(s.events(ev, [Finish("r", second, 1, FinishReason.STOP, prompt_tokens=3, completion_tokens=9)]))
+    assert [(tc["index"], tc["function"]["name"]) for d in late for tc in d["delta"].get("tool_calls", [])] == \
+        [(1, "get_weather")]
+    assert late[-1]["finish_reason"] == "tool_calls"
+    assert not any(d["delta"].get("content") for d in late)
+
+
+def test_a_responses_stream_gives_each_call_its_item_as_soon_as_it_is_closed() -> None:
+    from types import SimpleNamespace
+
+    from deployments.api.responses import ResponsesRequest, ResponsesShaper
+    from engine.types import Delta, Finish, FinishReason
+
+    first = '<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>\n'
+    second = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    sub = SimpleNamespace(tools=reading(ToolFormat.HERMES), reasoning=None, prompt_tokens=3)
+    r = ResponsesShaper(SimpleNamespace(rid="resp_1", model="m", submitted=sub,
+                                        request=ResponsesRequest.model_validate({"input": "hi"})))
+
+    def events(raw: bytes) -> list[dict]:
+        return [json.loads(line[6:]) for line in raw.decode().split("\n") if line.startswith("data: ")]
+
+    early = events(r.opening() + r.events([Delta("r", "Checking. " + first, 1)]))
+    done = [e["item"] for e in early if e["type"] == "response.output_item.done"]
+    # the message before the call is closed, then the call's item streams whole
+    assert [(i["type"], i.get("name")) for i in done] == [("message", None), ("function_call", "search")]
+    r.last = Finish("r", second, 1, FinishReason.STOP, prompt_tokens=3, completion_tokens=9)
+    late = events(r.events([r.last]) + r.closing())
+    added = [(e["output_index"], e["item"].get("name")) for e in late if e["type"] == "response.output_item.added"]
+    assert added == [(2, "get_weather")]
+    final = late[-1]["response"]
+    assert late[-1]["type"] == "response.completed"
+    assert [(o["type"], o.get("name")) for o in final["output"]] == [
+        ("message", None), ("function_call", "search"), ("function_call", "get_weather")]
+    assert final["output"][0]["content"][0]["text"] == "Checking. "
+    seqs = [e["sequence_number"] for e in early + late]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+
+
+def test_an_anthropic_stream_gives_each_tool_use_its_block_as_soon_as_it_is_closed() -> None:
+    from types import SimpleNamespace
+
+    from deployments.api.anthropic import MessagesShaper
+    from engine.types import Delta, Finish, FinishReason
+
+    first = '<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>\n'
+    second = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    sub = SimpleNamespace(tools=reading(ToolFormat.HERMES), reasoning=None, prompt_tokens=3)
+    a = MessagesShaper(SimpleNamespace(rid="msg-1", model="m", submitted=sub))
+
+    def events(raw: bytes) -> list[dict]:
+        return [json.loads(line[6:]) for line in raw.decode().split("\n") if line.startswith("data: ")]
+
+    early = events(a.opening() + a.events([Delta("r", "Checking. " + first, 1)]))
+    started = [(e["index"], e["content_block"]["type"]) for e in early if e["type"] == "content_block_start"]
+    assert started == [(0, "text"), (1, "tool_use")]
+    assert [e["index"] for e in early if e["type"] == "content_block_stop"] == [0, 1]
+    late = events(a.events([Finish("r", second, 1, FinishReason.STOP, prompt_tokens=3, completion_tokens=9)])
+                  + a.closing())
+    started = [(e["index"], e["content_block"].get("name")) for e in late if e["type"] == "content_block_start"]
+    assert started == [(2, "get_weather")]
+    assert [e["delta"]["stop_reason"] for e in late if e["type"] == "message_delta"] == ["tool_use"]

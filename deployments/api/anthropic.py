@@ -210,6 +210,7 @@ class MessagesShaper:
         self.last: Output | None = None
         self._text_open = False
         self._index = 0
+        self._n_calls = 0  # tool_use blocks streamed
 
     def _message(self, content: list[dict[str, Any]], stop_reason: str | None, stop_sequence: str | None,
                  usage: dict[str, int]) -> dict[str, Any]:
@@ -267,16 +268,18 @@ class MessagesShaper:
         text = "".join(o.text for o in batch)
         if not text:
             return b""
-        return self._text(self._answer.feed(text)[1])
+        out = self._text(self._answer.feed(text)[1])
+        return out + self._tool_uses(self._answer.ready_calls())  # each as soon as it is closed
 
-    def closing(self) -> bytes:
-        final = self.last
-        assert final is not None
-        _, rest, calls = self._answer.finish()
-        out = self._text(rest)
-        if self._text_open:
-            out += self.event("content_block_stop", index=self._index)
-            self._index += 1
+    def _close_text(self) -> bytes:
+        if not self._text_open:
+            return b""
+        self._text_open = False
+        self._index += 1
+        return self.event("content_block_stop", index=self._index - 1)
+
+    def _tool_uses(self, calls: list[dict[str, Any]]) -> bytes:
+        out = self._close_text() if calls else b""
         for c in calls:
             block = _tool_use(c)
             out += self.event("content_block_start", index=self._index, content_block={**block, "input": {}})
@@ -284,7 +287,16 @@ class MessagesShaper:
                               delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
             out += self.event("content_block_stop", index=self._index)
             self._index += 1
-        reason, seq = self._stop(final, bool(calls))
+        self._n_calls += len(calls)
+        return out
+
+    def closing(self) -> bytes:
+        final = self.last
+        assert final is not None
+        _, rest, calls = self._answer.finish()
+        out = self._tool_uses(calls) + self._text(rest) if self._n_calls else self._text(rest) + self._tool_uses(calls)
+        out += self._close_text()
+        reason, seq = self._stop(final, bool(self._n_calls))
         return out + self.event("message_delta", delta={"stop_reason": reason, "stop_sequence": seq},
                                 usage={"output_tokens": final.completion_tokens}) + self.event("message_stop")
 

@@ -225,10 +225,11 @@ class SseEvents:
 
     def chunk(self, text: str | None, finish: str | None, first: bool = False, logprobs: dict | None = None,
               tool_calls: list[dict] | None = None, index: int = 0, final: Output | None = None,
-              reasoning: str | None = None, usage: dict | None = None) -> bytes:
+              reasoning: str | None = None, usage: dict | None = None, first_call: int = 0) -> bytes:
         """One chunk; ``final``: the choice's last output, whose llama-server ``timings`` it carries;
         ``reasoning``: thinking text (chat: ``delta.reasoning_content``); ``usage``: the request's
-        usage, on the chunk that ends its last choice when no usage chunk was asked for."""
+        usage, on the chunk that ends its last choice when no usage chunk was asked for;
+        ``first_call``: the choice's index of the first of ``tool_calls``."""
         if text and finish is None and not first and logprobs is None and tool_calls is None and index == 0 \
                 and not reasoning:
             return self._prefix + dumps(text).encode() + self._suffix  # the per-token case
@@ -241,7 +242,7 @@ class SseEvents:
             if text:
                 delta["content"] = text
             if tool_calls:
-                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)]
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls, first_call)]
             choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
             choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
@@ -279,6 +280,7 @@ class Choice:
         self.tools = tools
         self._shaper = LogprobsShaper(kind) if want_logprobs else None
         self._answer = AnswerReader(self.reasoning, tools) if kind == "chat" else None
+        self.n_calls = 0  # tool calls streamed so far (each as soon as it is closed)
 
     @property
     def finished(self) -> bool:
@@ -314,9 +316,10 @@ class Choice:
         caller sends the error); ``usage`` goes on its closing chunk."""
         self.last = outs[-1]
         text = "".join(o.text for o in outs)
-        thinking, calls = "", None
+        thinking, calls, ready = "", None, []
         if self._answer is not None:
             thinking, text = self._answer.feed(text)
+            ready = self._answer.ready_calls()
             if self.last.finish_reason is not None and not self.last.failed:
                 more, rest, calls = self._answer.finish()
                 thinking, text = thinking + more, text + rest
@@ -326,17 +329,23 @@ class Choice:
             lp = self._shaper.shape(entries) if entries else None
         finish = self.last.finish_reason
         head = ev.chunk(None, None, index=self.index, reasoning=thinking) if thinking else b""
+        if ready:  # the text before a call goes out before it
+            head += (ev.chunk(text, None, logprobs=lp, index=self.index) if text or lp else b"") \
+                + ev.chunk(None, None, tool_calls=ready, index=self.index, first_call=self.n_calls)
+            self.n_calls += len(ready)
+            text, lp = "", None
         if finish is None or self.last.failed:
             return head + (ev.chunk(text, None, logprobs=lp, index=self.index) if text or lp else b"")
         return head + self._closing(ev, text, lp, finish, usage, calls)
 
     def _closing(self, ev: SseEvents, text: str, lp: dict | None, finish: Any, usage: dict | None,
                  calls: list[dict[str, Any]] | None) -> bytes:
-        finish = tool_finish(finish) if calls else finish
+        finish = tool_finish(finish) if calls or self.n_calls else finish
         last = self.last
         if calls:
+            first, self.n_calls = self.n_calls, self.n_calls + len(calls)
             return (ev.chunk(text, None, logprobs=lp, index=self.index) if text or lp else b"") \
-                + ev.chunk(None, None, tool_calls=calls, index=self.index) \
+                + ev.chunk(None, None, tool_calls=calls, index=self.index, first_call=first) \
                 + ev.chunk(None, finish, index=self.index, final=last, usage=usage)
         if self.kind == "chat" and (text or lp):
             return ev.chunk(text, None, logprobs=lp, index=self.index) + ev.chunk(None, finish, index=self.index,

@@ -190,6 +190,8 @@ class ResponsesShaper:
         self.last: Output | None = None
         self._open = False  # the stream's message item is open
         self._index = 0  # the stream's next output index
+        self._closed_msg: dict[str, Any] | None = None  # the message item closed before a call streamed
+        self.later: list[str] = []  # text after calls that streamed (a second message item)
 
     def _status(self) -> str:
         assert self.last is not None
@@ -207,7 +209,14 @@ class ResponsesShaper:
 
     def _output(self, status: str) -> list[dict[str, Any]]:
         items = [self._message(status)] if "".join(self.parts) or not self.calls else []
-        return items + [self._call(i, "completed") for i in range(len(self.calls))]
+        items += [self._call(i, "completed") for i in range(len(self.calls))]
+        if self.later:
+            items.append(self._later_message())
+        return items
+
+    def _later_message(self) -> dict[str, Any]:
+        return {"type": "message", "id": self.msg_id + "_1", "status": "completed", "role": "assistant",
+                "content": [{"type": "output_text", "text": "".join(self.later), "annotations": [], "logprobs": []}]}
 
     def response(self, status: str) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -267,24 +276,31 @@ class ResponsesShaper:
         self.last = batch[-1]
         text = "".join(o.text for o in batch)
         text = self._stream.feed(text)[1]
-        return self._text(text) if text else b""
+        out = self._text(text) if text else b""
+        ready = self._stream.ready_calls()  # each call streams as soon as it is closed
+        if ready:
+            out += self._close_message()
+            out += self._calls(ready)
+        return out
 
-    def closing(self) -> bytes:
+    def _close_message(self) -> bytes:
+        if not self._open:
+            return b""
+        self._open = False
+        item = self._closed_msg = self._message("completed")
+        out = (self.event("response.output_text.done", item_id=self.msg_id, output_index=self._index,
+                          content_index=0, text="".join(self.parts), logprobs=[])
+               + self.event("response.content_part.done", item_id=self.msg_id, output_index=self._index,
+                            content_index=0, part=item["content"][0])
+               + self.event("response.output_item.done", output_index=self._index, item=item))
+        self._index += 1
+        return out
+
+    def _calls(self, calls: list[dict[str, Any]]) -> bytes:
         out = b""
-        _, rest, self.calls = self._stream.finish()
-        if rest:
-            out += self._text(rest)
-        if not self._open and not self.calls:
-            out += self._text("")  # a plain answer always has its message, empty or not
-        if self._open:
-            item = self._message("completed")
-            out += (self.event("response.output_text.done", item_id=self.msg_id, output_index=self._index,
-                               content_index=0, text="".join(self.parts), logprobs=[])
-                    + self.event("response.content_part.done", item_id=self.msg_id, output_index=self._index,
-                                 content_index=0, part=item["content"][0])
-                    + self.event("response.output_item.done", output_index=self._index, item=item))
-            self._index += 1
-        for i in range(len(self.calls)):
+        for c in calls:
+            self.calls.append(c)
+            i = len(self.calls) - 1
             done = self._call(i, "completed")
             out += (self.event("response.output_item.added", output_index=self._index, item=self._call(i, "in_progress"))
                     + self.event("response.function_call_arguments.delta", item_id=done["id"], output_index=self._index,
@@ -293,6 +309,37 @@ class ResponsesShaper:
                                  arguments=done["arguments"], name=done["name"])
                     + self.event("response.output_item.done", output_index=self._index, item=done))
             self._index += 1
+        return out
+
+    def _later(self, text: str) -> bytes:
+        """Text after calls that already streamed: a message item of its own, after them."""
+        self.later.append(text)
+        item = self._later_message()
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        ix, iid = self._index, item["id"]
+        self._index += 1
+        return (self.event("response.output_item.added", output_index=ix, item={**item, "status": "in_progress",
+                                                                                "content": []})
+                + self.event("response.content_part.added", item_id=iid, output_index=ix, content_index=0, part=part)
+                + self.event("response.output_text.delta", item_id=iid, output_index=ix, content_index=0, delta=text,
+                             logprobs=[])
+                + self.event("response.output_text.done", item_id=iid, output_index=ix, content_index=0, text=text,
+                             logprobs=[])
+                + self.event("response.content_part.done", item_id=iid, output_index=ix, content_index=0,
+                             part=item["content"][0])
+                + self.event("response.output_item.done", output_index=ix, item=item))
+
+    def closing(self) -> bytes:
+        out = b""
+        _, rest, more = self._stream.finish()
+        later = rest if self.calls else ""  # after calls that streamed: a message of its own, last
+        if rest and not later:
+            out += self._text(rest)
+        if not self._open and not self.calls and not more:
+            out += self._text("")  # a plain answer always has its message, empty or not
+        out += self._close_message() + self._calls(more)
+        if later:
+            out += self._later(later)
         status = self._status()
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return out + self.event(kind, response=self.response(status))

@@ -55,6 +55,8 @@ class AnswerReader:
         self.thinking = ReasoningSplitter(reasoning) if reasoning and not reasoning.harmony else None
         self.tools = tools
         self.calls = tools.stream() if tools is not None else None
+        self.n_harmony_calls = 0  # harmony calls given out by ``ready_calls``
+        self.n_given = 0  # calls given out by ``ready_calls``, of every kind
 
     def feed(self, text: str) -> tuple[str, str]:
         """``(reasoning, content)`` that can go out now."""
@@ -67,14 +69,32 @@ class AnswerReader:
             reasoning, content = "", text
         return reasoning, (self.calls.feed(content) if self.calls is not None else content)
 
+    def ready_calls(self) -> list[dict[str, Any]]:
+        """The tool calls complete since the last look, to stream before the answer ends (a
+        harmony call at its ``<|call|>``, another family's at its closing marker); ``finish``
+        then gives only the others. A reader never asked gives every call at ``finish``."""
+        if self.tools is None or (not self.tools.parallel and self.n_given):
+            return []
+        out: list[dict[str, Any]] = []
+        if self.harmony is not None:
+            done = self.harmony.calls[self.n_harmony_calls:]
+            self.n_harmony_calls += len(done)
+            out = [new_call(n, a) for n, a in done if n in self.tools.names]
+        if self.calls is not None:
+            out += self.calls.ready()
+        out = limit_calls(out, self.tools.parallel)
+        self.n_given += len(out)
+        return out
+
     def finish(self) -> tuple[str, str, list[dict[str, Any]]]:
-        """What was held: ``(reasoning, content, calls)``."""
+        """What was held: ``(reasoning, content, calls)``, the calls less those ``ready_calls``
+        gave out."""
         found: list[dict[str, Any]] = []
         if self.harmony is not None:
             parts = self.harmony.finish()
             reasoning, content = parts.reasoning, parts.content
             if self.tools is not None:  # a call to a function the request did not offer is no call
-                found = [new_call(n, a) for n, a in parts.calls if n in self.tools.names]
+                found = [new_call(n, a) for n, a in parts.calls[self.n_harmony_calls:] if n in self.tools.names]
         elif self.thinking is not None:
             reasoning, content = self.thinking.finish()
         else:
@@ -84,7 +104,9 @@ class AnswerReader:
             rest, more = self.calls.finish()
             content += rest
             found += more
-        return reasoning, content, (limit_calls(found, self.tools.parallel) if self.tools is not None else found)
+        if self.tools is not None and not self.tools.parallel:
+            found = found[: max(0, 1 - self.n_given)]
+        return reasoning, content, found
 
 
 def harmony_only(plan: ReasoningPlan | None) -> ReasoningPlan | None:

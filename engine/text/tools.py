@@ -452,10 +452,15 @@ def _first_json(text: str) -> Any:
         return None
 
 
+# what closes one call in the formats whose calls close one by one (the rest close at the end)
+CALL_ENDS = ("</tool_call>", DS_CALL_END, KIMI_CALL_END)
+
+
 class ToolCallStream:
     """Streams a tools request's text: plain text goes out as it comes, except a tail that
     could begin a call marker; from a marker on (or from an answer that opens with a JSON
-    value) the text is held and parsed into calls at the end."""
+    value) the text is held. Each call that is closed (``CALL_ENDS``) can go out at once
+    (``ready``); the rest is parsed into calls at the end."""
 
     def __init__(self, names: list[str], parallel: bool = True, types: ArgTypes | None = None) -> None:
         self.names = names
@@ -464,6 +469,8 @@ class ToolCallStream:
         self.held = ""
         self.holding = False  # a call has (maybe) started: hold the rest
         self.sent_any = False
+        self.n_ready = 0  # calls given out by ``ready``
+        self._closed_at = 0  # the held text's length up to its last call end, when ``ready`` last looked
 
     def feed(self, text: str) -> str:
         self.held += text
@@ -487,10 +494,24 @@ class ToolCallStream:
             self.sent_any = True
         return out
 
+    def ready(self) -> list[dict[str, Any]]:
+        """The calls closed since the last look: a closed call reads the same whatever follows
+        it, so it need not wait for the answer's end (the first only, without parallel calls)."""
+        if not self.holding or (not self.parallel and self.n_ready):
+            return []
+        end = max((i + len(m) for m in CALL_ENDS if (i := self.held.rfind(m)) >= 0), default=0)
+        if end <= self._closed_at:
+            return []
+        self._closed_at = end
+        _, calls = parse_tool_calls(self.held[:end], self.names, self.types)
+        new = limit_calls(calls, self.parallel)[self.n_ready:]
+        self.n_ready += len(new)
+        return new
+
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """What is left: ``(content, calls)``."""
+        """What is left: ``(content, calls)``, less the calls ``ready`` gave out."""
         content, calls = parse_tool_calls(self.held, self.names, self.types)
-        return content, limit_calls(calls, self.parallel)
+        return content, limit_calls(calls, self.parallel)[self.n_ready:]
 
 
 def limit_calls(calls: list[dict[str, Any]], parallel: bool) -> list[dict[str, Any]]:
