@@ -32,6 +32,12 @@ log = logging.getLogger("bench")
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = ModelShape(n_layer=8, n_embd=1024, n_head=16, n_head_kv=8, n_ff=2816, n_vocab=32000, seed=11)
 MODEL = ROOT / "models" / "bench-8L-1024d-32000v-f16.gguf"
+# a mixture of experts of the same active compute a token (two of eight experts, each a quarter
+# of the dense block), four times its feed-forward weights: the experts of the first N_PEER
+# layers live on the peer, as a big MoE's do on a pair
+MOE_SHAPE = ModelShape(n_layer=8, n_embd=1024, n_head=16, n_head_kv=8, n_ff=1408, n_vocab=32000, n_expert=8,
+                       n_expert_used=2, ftype="q8_0", seed=11)
+MOE_MODEL = ROOT / "models" / "bench-8L-1024d-32000v-8x2-moe-q8_0.gguf"
 # 5 layers on the peer, 3 and the output layer on the local node
 N_PEER = 5
 SLOTS = 32
@@ -60,6 +66,11 @@ class Cell:
     topology: str = "layer_split"  # pipeline-groups only: or "replicas", one engine per node (half the slots each)
     flash_attn: str = "auto"  # llama-server only: its -fa setting
     ingress: str = "direct"  # pipeline-groups only: the ingress serves HTTP itself; "proxy": Serve's proxy actor
+    moe: bool = False  # the mixture-of-experts model (MOE_SHAPE) instead of the dense one
+
+    @property
+    def model(self) -> Path:
+        return MOE_MODEL if self.moe else MODEL
 
     @property
     def n_ctx(self) -> int:
@@ -78,7 +89,7 @@ class Cell:
             what = (f"pipeline-groups, groups {self.groups}" + ("" if self.share_prefix else ", no prefix sharing")
                     + (", Serve proxy" if self.ingress == "proxy" else ""))
         load = f"{self.clients} clients" + (f", {self.shared_prefix}-token shared prefix" if self.shared_prefix else "")
-        return f"{what}, {'pinned' if self.pinned else 'unpinned'}, {load}"
+        return ("MoE: " if self.moe else "") + f"{what}, {'pinned' if self.pinned else 'unpinned'}, {load}"
 
 
 def cells() -> list[Cell]:
@@ -93,6 +104,8 @@ def cells() -> list[Cell]:
     for n in (8, 16):
         part = {"clients": n, "requests_per_client": 4, "shared_prefix": PREFIX}
         out += [replace(ls, **part), replace(pg, **part), replace(pg, groups=2, **part)]
+    # the MoE cell: its experts on the peer, groups 1 and 2 against llama-server
+    out += [replace(ls, moe=True), replace(pg, moe=True), replace(pg, groups=2, moe=True)]
     return out
 
 
@@ -177,7 +190,7 @@ def place_the_rest(pinned: bool) -> None:
 
 def run_llama_server(c: Cell) -> dict:
     place_the_rest(c.pinned)
-    srv = LlamaServer(MODEL, n_layer=SHAPE.n_layer, n_peer=N_PEER, output_local=c.output_local, slots=SLOTS,
+    srv = LlamaServer(c.model, n_layer=SHAPE.n_layer, n_peer=N_PEER, output_local=c.output_local, slots=SLOTS,
                       flash_attn=c.flash_attn, threads=THREADS,
                       n_ctx=c.n_ctx, port=LS_PORT, rpc_port=LS_RPC_PORT,
                       peer_cpus=PEER_CPUS if c.pinned else None, local_cpus=LOCAL_CPUS if c.pinned else None)
@@ -199,7 +212,7 @@ def deploy_ours(stack, c: Cell) -> None:  # noqa: ANN001 - bench.run.HttpStack
     # single: one node alone, the whole model on its core, no stage (what a replica is on its own)
     per_node = 2 if c.topology == "replicas" else 1
     args = {
-        "model": str(MODEL), "n_ctx": c.n_ctx // per_node, "n_parallel": SLOTS // per_node, "pipeline_groups": c.groups,
+        "model": str(c.model), "n_ctx": c.n_ctx // per_node, "n_parallel": SLOTS // per_node, "pipeline_groups": c.groups,
         "n_threads": THREADS, "devices": ["RPC0", "CPU"], "peer_layers": N_PEER,
         "n_batch": 512, "max_queued_requests": 4096, "local_cpus": LOCAL_CPUS if c.pinned else None,
         "rpc": {"port": 50174, "threads": THREADS, "cpus": PEER_CPUS if c.pinned else None},
@@ -214,9 +227,10 @@ def deploy_ours(stack, c: Cell) -> None:  # noqa: ANN001 - bench.run.HttpStack
 def main(out: Path, only: str | None = None) -> list[dict]:
     from bench.stack import HttpStack
 
-    if not MODEL.exists():
-        write_model(MODEL, SHAPE)
     todo = [c for c in cells() if only is None or only in c.name]
+    for path, shape in ((MODEL, SHAPE), (MOE_MODEL, MOE_SHAPE)):
+        if not path.exists() and any(c.model == path for c in todo):
+            write_model(path, shape)
     t0 = time.monotonic()
     results: list[dict] = []
     partial = out / "latest.partial.json"  # each cell as it ends: a later failure keeps the run so far
@@ -240,7 +254,8 @@ def main(out: Path, only: str | None = None) -> list[dict]:
         finally:
             stack.close()
     meta = {"machine": f"{os.cpu_count()} cores, {os.uname().machine}", "cores": os.cpu_count(), "cpu": cpu.describe(),
-            "model": MODEL.name,
+            "model": MODEL.name, "moe_model": f"{MOE_MODEL.name} (the MoE cells: {MOE_SHAPE.n_expert} experts, "
+                                              f"{MOE_SHAPE.n_expert_used} a token, n_ff {MOE_SHAPE.n_ff} each)",
             "shape": SHAPE.__dict__, "split": f"{N_PEER} layers on the peer, {SHAPE.n_layer - N_PEER} and the output local",
             "layout": LAYOUT.describe(), "n_prompt": N_PROMPT, "n_gen": N_GEN, "slots": SLOTS, "wall_s": round(time.monotonic() - t0, 1),
             "command": "make bench" + (f" BENCH_ARGS='--only \"{only}\"'" if only else "")}

@@ -127,6 +127,8 @@ def cpu_bound(r: dict, cores: int) -> tuple[float, float]:
 
 def headline_targets(results: list[dict], cores: int = 0) -> list[tuple[str, str, str]]:
     out: list[tuple[str, str, str]] = []
+    moe = [r for r in results if r.get("moe")]  # the MoE cells: their own targets, at the end
+    results = [r for r in results if not r.get("moe")]
 
     def best_ls(pinned: bool, clients: int = 32) -> dict | None:
         ls = [r for r in results if r["system"] == "llama-server" and r["pinned"] == pinned and r["clients"] == clients]
@@ -177,6 +179,20 @@ def headline_targets(results: list[dict], cores: int = 0) -> list[tuple[str, str
         worst = max(mine, key=lambda r: abs(r["tok_s_rep2"] / r["tok_s"] - 1))
         out.append(("second repetition vs first (worst cell)", f"{100 * (worst['tok_s_rep2'] / worst['tok_s'] - 1):+.1f} %",
                     "within 5 %"))
+    return out + moe_targets(moe)
+
+
+def moe_targets(moe: list[dict]) -> list[tuple[str, str, str]]:
+    """The MoE cell's: groups 1 and 2 against llama-server on the same MoE file and split."""
+    ls = _find(moe, system="llama-server")
+    g1, g2 = _find(moe, system="pipeline-groups", groups=1), _find(moe, system="pipeline-groups", groups=2)
+    out = []
+    if ls and g1:
+        out.append(("MoE: groups 1 / llama-server, 32 clients, unpinned", f"{g1['tok_s'] / ls['tok_s']:.2f}x", ">= 1.0x"))
+    if ls and g2:
+        out.append(("MoE: groups 2 / llama-server, 32 clients, unpinned", f"{g2['tok_s'] / ls['tok_s']:.2f}x", ">= 1.5x"))
+    if g1 and g2:
+        out.append(("MoE: groups 2 / groups 1, 32 clients, unpinned", f"{g2['tok_s'] / g1['tok_s']:.2f}x", ">= 1.6x"))
     return out
 
 

@@ -13,7 +13,8 @@ import pytest
 from engine.text.answer import AnswerReader, ToolReading, preserved_tokens, read_answer
 from engine.text.harmony import parse_harmony
 from engine.text.reasoning import ReasoningPlan
-from engine.text.tools import ToolFormat, ToolPlan, arg_types, detect_format
+from engine.text.tool_calls import arg_types
+from engine.text.tools import ToolFormat, ToolPlan, detect_format
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {

@@ -11,7 +11,8 @@ from pydantic import ValidationError
 
 from deployments.api.openai import ChatCompletionRequest
 from engine import SamplingParams
-from engine.text.tools import ToolCallStream, ToolFormat, ToolPlan, detect_format, parse_tool_calls
+from engine.text.tool_calls import ToolCallStream, parse_tool_calls
+from engine.text.tools import ToolFormat, ToolPlan, detect_format
 
 WEATHER = {
     "type": "function",

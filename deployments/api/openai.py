@@ -31,7 +31,8 @@ from deployments.api.media import CHAT_MARKER, MediaBag
 from deployments.api.values import Prepared, ToolSettings
 from engine.text.answer import AnswerReader, preserved_tokens, read_answer
 from engine.text.reasoning import ReasoningPlan
-from engine.text.tools import ToolPlan, arg_types, check_tools, chosen, tool_finish
+from engine.text.tool_calls import arg_types, tool_finish
+from engine.text.tools import ToolPlan, check_tools, chosen
 from engine.types import Output
 
 if TYPE_CHECKING:

@@ -1,8 +1,8 @@
 """The text layer: what turns messages into tokens and tokens back into an answer.
 
 Chat templates (``chat``), the tokenizer and prompt limits (``tokenizer``), fill-in-the-middle
-prompts (``infill``), grammars and JSON schemas (``grammar``), tool calls (``tools``) and
-reasoning (``reasoning``) parsed from an answer, incremental detokenisation with stop strings
+prompts (``infill``), grammars and JSON schemas (``grammar``), tools into the prompt (``tools``), tool calls
+(``tool_calls``) and reasoning (``reasoning``) parsed from an answer, incremental detokenisation with stop strings
 (``stream``). The ingress imports it to make prompts and shape answers; the engine imports it
 for its tokenizer, grammars and streams.
 

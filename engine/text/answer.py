@@ -4,7 +4,7 @@ One ``AnswerReader`` per choice, for every API: ``feed`` gives the reasoning and
 out now (a tail that may begin a marker is held), ``finish`` what was held and the calls. A
 harmony answer (gpt-oss) is split by its channels first (``engine.text.harmony``); any other by
 its reasoning markers (``engine.text.reasoning``). The content then goes through the tool-call
-parser of the request's tools (``engine.text.tools``), which holds the text from a call's marker on.
+parser of the request's tools (``engine.text.tool_calls``), which holds the text from a call's marker on.
 """
 
 from __future__ import annotations
@@ -14,14 +14,8 @@ from typing import Any
 
 from engine.text.harmony import PRESERVED, HarmonyParser
 from engine.text.reasoning import ReasoningPlan, ReasoningSplitter
-from engine.text.tools import (
-    FORMAT_TOKENS,
-    ArgTypes,
-    ToolCallStream,
-    ToolFormat,
-    limit_calls,
-    new_call,
-)
+from engine.text.tool_calls import ArgTypes, ToolCallStream, limit_calls, new_call
+from engine.text.tools import FORMAT_TOKENS, ToolFormat
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Tool calling: tools into the prompt, tool calls out of the text.
+"""Tool calling, the request side: tools into the prompt, the syntax a template shows, the grammar
+of a forced call. The calls are read back out of the answer by ``engine.text.tool_calls``.
 
 A request's tools reach the chat template as its ``tools`` variable when the template uses
 one; the template's own markup tells which syntax the model was trained to answer in:
@@ -30,20 +31,24 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from engine.errors import RequestError
 from engine.text.grammar import GrammarSpec, bounded_schema, check_schema, json_options
-from engine.text.stream import partial_stop_suffix
+from engine.text.tool_calls import (
+    DS_CALL,
+    DS_CALL_END,
+    DS_CALLS,
+    DS_CALLS_END,
+    DS_SEP,
+    KIMI_ARGS,
+    KIMI_CALL,
+    KIMI_CALL_END,
+    KIMI_CALLS,
+)
 
-DS_CALLS = "<｜tool▁calls▁begin｜>"  # DeepSeek V3.1's markers: fullwidth bars, U+2581 for spaces
-DS_CALL, DS_SEP, DS_CALL_END, DS_CALLS_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
-KIMI_CALLS, KIMI_CALL, KIMI_ARGS = "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>"
-KIMI_CALL_END = "<|tool_call_end|>"
-MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", DS_CALLS, KIMI_CALLS)
 MAX_CALLS = 8  # calls one forced answer may hold (parallel_tool_calls)
 
 
@@ -264,260 +269,3 @@ def template_message(m: dict[str, Any]) -> dict[str, Any]:
             calls.append({"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
         out["tool_calls"] = calls
     return out
-
-
-# ---- the output side ------------------------------------------------------------------------
-
-
-def new_call(name: str, arguments: Any) -> dict[str, Any]:
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": args}}
-
-
-def _as_call(obj: Any) -> tuple[str, Any] | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    for key in ("arguments", "parameters"):
-        if key in obj:
-            return obj["name"], obj[key]
-    return obj["name"], {}
-
-
-def _json_values(text: str) -> list[Any] | None:
-    """Every JSON value of ``text`` in order (separated by space, ';' or ','), or None."""
-    dec = json.JSONDecoder()
-    out, i, n = [], 0, len(text)
-    while True:
-        while i < n and text[i] in " \t\r\n;,":
-            i += 1
-        if i >= n:
-            return out
-        try:
-            v, i = dec.raw_decode(text, i)
-        except ValueError:
-            return None
-        out.append(v)
-
-
-ArgTypes = dict[str, dict[str, set[str]]]  # function -> parameter -> the JSON types its schema admits
-
-
-def arg_types(tools: list[dict[str, Any]]) -> ArgTypes:
-    """Each offered function's parameters' JSON types (an empty set: any type)."""
-    out: ArgTypes = {}
-    for t in tools:
-        fn = t.get("function") or {}
-        props = (fn.get("parameters") or {}).get("properties") or {}
-        out[fn.get("name", "")] = {k: _schema_types(v) for k, v in props.items() if isinstance(k, str)}
-    return out
-
-
-def _schema_types(schema: Any) -> set[str]:
-    if not isinstance(schema, dict):
-        return set()
-    t = schema.get("type")
-    if isinstance(t, str):
-        return {t}
-    if isinstance(t, list):
-        return {x for x in t if isinstance(x, str)}
-    if "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
-        return {"string"}
-    out: set[str] = set()
-    for key in ("anyOf", "oneOf"):
-        for sub in schema.get(key) or []:
-            sub_types = _schema_types(sub)
-            if not sub_types:
-                return set()
-            out |= sub_types
-    return out
-
-
-def xml_value(raw: str, types: set[str], trim: bool) -> Any:
-    """An XML-style call's value: text where the parameter takes a string (or its type is not
-    known and the text is no JSON value), else the JSON value it spells."""
-    text = raw.strip() if trim else raw.strip("\n")
-    if "string" in types:
-        return text
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return text
-
-
-_QWEN_FN = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
-_QWEN_PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
-_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.S)
-
-
-def _xml_call(body: str, types: ArgTypes) -> tuple[str, Any] | None:
-    """A Qwen3-Coder (``<function=NAME><parameter=P>``) or GLM (``NAME<arg_key>``) call's body."""
-    if m := _QWEN_FN.match(body):
-        name = m.group(1).strip()
-        known = types.get(name, {})
-        return name, {k.strip(): xml_value(v, known.get(k.strip(), set()), True)
-                      for k, v in _QWEN_PARAM.findall(m.group(2))}
-    name, sep, rest = body.partition("<arg_key>")
-    name = name.strip()
-    if sep and name and re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
-        known = types.get(name, {})
-        return name, {k: xml_value(v, known.get(k, set()), False) for k, v in _GLM_ARG.findall(sep + rest)}
-    if name and not sep and re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name) and name in types:
-        return name, {}  # GLM's call of a function without arguments
-    return None
-
-
-def _marked_calls(text: str, begin: str, head: re.Pattern) -> tuple[str, list[dict[str, Any]]] | None:
-    """DeepSeek V3.1's and Kimi K2's calls: after ``begin``, each ``head`` (naming the function)
-    then its JSON arguments; None when no call parses."""
-    before, _, after = text.partition(begin)
-    calls = []
-    for m in head.finditer(after):
-        i = m.end()
-        while i < len(after) and after[i] in " \t\r\n":
-            i += 1
-        try:
-            args, _ = json.JSONDecoder().raw_decode(after, i)
-        except ValueError:
-            continue
-        calls.append(new_call(m.group(1).strip(), args))
-    return (before.strip(), calls) if calls else None
-
-
-_DS_HEAD = re.compile(rf"(?:{re.escape(DS_CALL)})?([^\n<{DS_SEP[0]}]+?){re.escape(DS_SEP)}(?:json\s*)?")
-_KIMI_HEAD = re.compile(rf"{re.escape(KIMI_CALL)}\s*(?:functions\.)?([A-Za-z0-9_.\-]+?)(?::\d+)?\s*{re.escape(KIMI_ARGS)}")
-
-
-def parse_tool_calls(text: str, names: list[str], types: ArgTypes | None = None) -> tuple[str, list[dict[str, Any]]]:
-    """``(content, calls)`` of a model's answer; content is the text outside the calls.
-    ``types``: the offered functions' parameters' types, for the XML-style calls' values."""
-    calls: list[dict[str, Any]] = []
-    content = text
-    types = types if types is not None else {n: {} for n in names}
-    if DS_CALLS in text and (found := _marked_calls(text, DS_CALLS, _DS_HEAD)):
-        return found
-    if KIMI_CALLS in text and (found := _marked_calls(text, KIMI_CALLS, _KIMI_HEAD)):
-        return found
-    # Hermes: <tool_call>{...}</tool_call> blocks (an unclosed last one counts when it parses);
-    # Qwen3-Coder's and GLM's XML-style bodies in the same blocks
-    if "<tool_call>" in text:
-        kept, rest = [], text
-        while "<tool_call>" in rest:
-            before, _, after = rest.partition("<tool_call>")
-            body, closed, rest = after.partition("</tool_call>")
-            c = _as_call(_first_json(body))
-            if c is None:
-                c = _xml_call(body, types)
-            if c is None:
-                kept.append(before + "<tool_call>" + body + closed)
-                continue
-            kept.append(before)
-            calls.append(new_call(*c))
-        return "".join(kept + [rest]).strip(), calls
-    # Mistral: [TOOL_CALLS][{...}, ...] or [TOOL_CALLS]name[ARGS]{...}
-    if "[TOOL_CALLS]" in text:
-        before, _, after = text.partition("[TOOL_CALLS]")
-        values = _json_values(after.strip())
-        if values is not None:
-            for v in values:
-                for item in v if isinstance(v, list) else [v]:
-                    c = _as_call(item)
-                    if c is not None:
-                        calls.append(new_call(*c))
-        else:
-            for m in re.finditer(r"([A-Za-z0-9_.\-]+)\[ARGS\]", after):
-                try:
-                    args, _ = json.JSONDecoder().raw_decode(after, m.end())
-                except ValueError:
-                    continue
-                calls.append(new_call(m.group(1), args))
-        return (before.strip(), calls) if calls else (content, [])
-    # Llama 3: <|python_tag|>{...} or the whole answer a call (or calls) naming known tools
-    body = text.split("<|python_tag|>", 1)[1] if "<|python_tag|>" in text else text
-    stripped = body.strip()
-    if stripped[:1] in ("{", "["):
-        values = _json_values(stripped)
-        items = [i for v in values or [] for i in (v if isinstance(v, list) else [v])]
-        found = [_as_call(i) for i in items]
-        if items and all(c is not None and c[0] in names for c in found):
-            return text.split("<|python_tag|>", 1)[0].strip() if "<|python_tag|>" in text else "", \
-                [new_call(*c) for c in found if c is not None]
-    return content, []
-
-
-def _first_json(text: str) -> Any:
-    s = text.strip()
-    try:
-        return json.JSONDecoder().raw_decode(s)[0]
-    except ValueError:
-        return None
-
-
-# what closes one call in the formats whose calls close one by one (the rest close at the end)
-CALL_ENDS = ("</tool_call>", DS_CALL_END, KIMI_CALL_END)
-
-
-class ToolCallStream:
-    """Streams a tools request's text: plain text goes out as it comes, except a tail that
-    could begin a call marker; from a marker on (or from an answer that opens with a JSON
-    value) the text is held. Each call that is closed (``CALL_ENDS``) can go out at once
-    (``ready``); the rest is parsed into calls at the end."""
-
-    def __init__(self, names: list[str], parallel: bool = True, types: ArgTypes | None = None) -> None:
-        self.names = names
-        self.parallel = parallel
-        self.types = types
-        self.held = ""
-        self.holding = False  # a call has (maybe) started: hold the rest
-        self.sent_any = False
-        self.n_ready = 0  # calls given out by ``ready``
-        self._closed_at = 0  # the held text's length up to its last call end, when ``ready`` last looked
-
-    def feed(self, text: str) -> str:
-        self.held += text
-        if self.holding:
-            return ""
-        if not self.sent_any:
-            lead = self.held.lstrip()
-            if not lead:
-                return ""
-            if lead[0] in "{[":
-                self.holding = True
-                return ""
-        idx = min((self.held.find(m) for m in MARKERS if m in self.held), default=-1)
-        if idx >= 0:
-            self.holding = True
-            out, self.held = self.held[:idx], self.held[idx:]
-        else:
-            keep = partial_stop_suffix(self.held, MARKERS)
-            out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
-        if out:
-            self.sent_any = True
-        return out
-
-    def ready(self) -> list[dict[str, Any]]:
-        """The calls closed since the last look: a closed call reads the same whatever follows
-        it, so it need not wait for the answer's end (the first only, without parallel calls)."""
-        if not self.holding or (not self.parallel and self.n_ready):
-            return []
-        end = max((i + len(m) for m in CALL_ENDS if (i := self.held.rfind(m)) >= 0), default=0)
-        if end <= self._closed_at:
-            return []
-        self._closed_at = end
-        _, calls = parse_tool_calls(self.held[:end], self.names, self.types)
-        new = limit_calls(calls, self.parallel)[self.n_ready:]
-        self.n_ready += len(new)
-        return new
-
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """What is left: ``(content, calls)``, less the calls ``ready`` gave out."""
-        content, calls = parse_tool_calls(self.held, self.names, self.types)
-        return content, limit_calls(calls, self.parallel)[self.n_ready:]
-
-
-def limit_calls(calls: list[dict[str, Any]], parallel: bool) -> list[dict[str, Any]]:
-    return calls if parallel else calls[:1]
-
-
-def tool_finish(finish: str | None) -> str | None:
-    """The finish reason of an answer that holds calls: ``tool_calls`` where it stopped by itself."""
-    return "tool_calls" if finish == "stop" else finish

@@ -111,7 +111,7 @@ def test_forced_tool_calls_on_the_real_model_all_parse_and_validate(make_gemma):
     """Gemma's GGUF has no chat template (chatml, no tools): the tools go in a system
     message; tool_choice required makes every sampled answer calls that validate."""
     from deployments.api.openai import chat_prompt
-    from engine.text.tools import limit_calls, parse_tool_calls
+    from engine.text.tool_calls import limit_calls, parse_tool_calls
 
     e = make_gemma(n_parallel=4, n_ctx=16384)
     req = ChatCompletionRequest.model_validate({
