@@ -105,7 +105,8 @@ def cells() -> list[Cell]:
         part = {"clients": n, "requests_per_client": 4, "shared_prefix": PREFIX}
         out += [replace(ls, **part), replace(pg, **part), replace(pg, groups=2, **part)]
     # the MoE cell: its experts on the peer, groups 1 and 2 against llama-server
-    out += [replace(ls, moe=True), replace(pg, moe=True), replace(pg, groups=2, moe=True)]
+    out += [replace(ls, moe=True, output_local=local) for local in (False, True)]
+    out += [replace(pg, moe=True), replace(pg, groups=2, moe=True)]
     return out
 
 
@@ -254,11 +255,11 @@ def main(out: Path, only: str | None = None) -> list[dict]:
         finally:
             stack.close()
     meta = {"machine": f"{os.cpu_count()} cores, {os.uname().machine}", "cores": os.cpu_count(), "cpu": cpu.describe(),
-            "model": MODEL.name, "moe_model": f"{MOE_MODEL.name} (the MoE cells: {MOE_SHAPE.n_expert} experts, "
+            "model": ", ".join(sorted({c.model.name for c in todo})), "moe_model": f"{MOE_MODEL.name} (the MoE cells: {MOE_SHAPE.n_expert} experts, "
                                               f"{MOE_SHAPE.n_expert_used} a token, n_ff {MOE_SHAPE.n_ff} each)",
             "shape": SHAPE.__dict__, "split": f"{N_PEER} layers on the peer, {SHAPE.n_layer - N_PEER} and the output local",
             "layout": LAYOUT.describe(), "n_prompt": N_PROMPT, "n_gen": N_GEN, "slots": SLOTS, "wall_s": round(time.monotonic() - t0, 1),
-            "command": "make bench" + (f" BENCH_ARGS='--only \"{only}\"'" if only else "")}
+            "command": "make bench" + (f" BENCH_ARGS='--only \"{only}\" --out {out}'" if only else "")}
     from bench.report import write_headline
 
     print(write_headline(results, meta, out))

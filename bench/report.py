@@ -184,13 +184,13 @@ def headline_targets(results: list[dict], cores: int = 0) -> list[tuple[str, str
 
 def moe_targets(moe: list[dict]) -> list[tuple[str, str, str]]:
     """The MoE cell's: groups 1 and 2 against llama-server on the same MoE file and split."""
-    ls = _find(moe, system="llama-server")
+    ls = max((r for r in moe if r["system"] == "llama-server"), key=lambda r: r["tok_s"], default=None)
     g1, g2 = _find(moe, system="pipeline-groups", groups=1), _find(moe, system="pipeline-groups", groups=2)
     out = []
     if ls and g1:
-        out.append(("MoE: groups 1 / llama-server, 32 clients, unpinned", f"{g1['tok_s'] / ls['tok_s']:.2f}x", ">= 1.0x"))
+        out.append(("MoE: groups 1 / llama-server's best, 32 clients, unpinned", f"{g1['tok_s'] / ls['tok_s']:.2f}x", ">= 1.0x"))
     if ls and g2:
-        out.append(("MoE: groups 2 / llama-server, 32 clients, unpinned", f"{g2['tok_s'] / ls['tok_s']:.2f}x", ">= 1.5x"))
+        out.append(("MoE: groups 2 / llama-server's best, 32 clients, unpinned", f"{g2['tok_s'] / ls['tok_s']:.2f}x", ">= 1.5x"))
     if g1 and g2:
         out.append(("MoE: groups 2 / groups 1, 32 clients, unpinned", f"{g2['tok_s'] / g1['tok_s']:.2f}x", ">= 1.6x"))
     return out
