@@ -224,6 +224,7 @@ class ToolCallStream:
         self.sent_any = False
         self.n_ready = 0  # calls given out by ``ready``
         self._closed_at = 0  # the held text's length up to its last call end, when ``ready`` last looked
+        self._looked = 0  # the held text's length when ``ready`` last looked
 
     def feed(self, text: str) -> str:
         self.held += text
@@ -252,7 +253,10 @@ class ToolCallStream:
         it, so it need not wait for the answer's end (the first only, without parallel calls)."""
         if not self.holding or (not self.parallel and self.n_ready):
             return []
-        end = max((i + len(m) for m in CALL_ENDS if (i := self.held.rfind(m)) >= 0), default=0)
+        # only the text since the last look can hold a new call end (one may straddle it)
+        start = max(0, self._looked - max(map(len, CALL_ENDS)))
+        self._looked = len(self.held)
+        end = max((i + len(m) for m in CALL_ENDS if (i := self.held.rfind(m, start)) >= 0), default=0)
         if end <= self._closed_at:
             return []
         self._closed_at = end
