@@ -28,6 +28,7 @@ TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+CACHE_LOST_CAUSES = ("stage_restart", "stage_frozen", "engine_failed")  # prompt_cache_lost_entries' causes
 P = "pgroups_"
 
 
@@ -75,6 +76,8 @@ class EngineMetrics:
         b = self._b = {"model": model, "replica": replica}
         for reason in FINISH_REASONS:
             self.requests.labels(**b, finished_reason=reason)
+        for cause in CACHE_LOST_CAUSES:  # exported from the start, at 0
+            self.cache_lost.labels(**b, cause=cause)
         self._generated = self.generation_tokens.labels(**b)
         for c in (self.prompt_tokens, self.generation_tokens, self.prompt_seconds,
                   self.generation_seconds, self.rejected_total, self.prompt_tokens_cached):
