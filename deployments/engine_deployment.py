@@ -128,7 +128,7 @@ class EngineDeployment:
         # the stage server this replica's KV lives on: every slot's and prompt cache entry's
         # peer-side KV is in buffers that process allocated for this model. Another server (a
         # restart, a replacement) holds none of it, and this replica never reconnects: it fails
-        # and Serve starts one that loads the model afresh (deployments/engine_deployment.py)
+        # (``_watch_stage_server``) and Serve starts one that loads the model afresh
         self._stage_pid = await self._stage_server()
         if loaded_under and self._stage_pid and loaded_under != self._stage_pid:
             self._failed = f"the stage's server changed while the model loaded (pid {loaded_under} -> {self._stage_pid})"

@@ -383,3 +383,24 @@ def test_an_anthropic_stream_gives_each_tool_use_its_block_as_soon_as_it_is_clos
     started = [(e["index"], e["content_block"].get("name")) for e in late if e["type"] == "content_block_start"]
     assert started == [(2, "get_weather")]
     assert [e["delta"]["stop_reason"] for e in late if e["type"] == "message_delta"] == ["tool_use"]
+
+
+def test_text_after_a_streamed_call_is_a_responses_message_item_of_its_own() -> None:
+    from types import SimpleNamespace
+
+    from deployments.api.responses import ResponsesRequest, ResponsesShaper
+    from engine.types import Delta, Finish, FinishReason
+
+    first = '<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>\n'
+    sub = SimpleNamespace(tools=reading(ToolFormat.HERMES), reasoning=None, prompt_tokens=3)
+    r = ResponsesShaper(SimpleNamespace(rid="resp_1", model="m", submitted=sub,
+                                        request=ResponsesRequest.model_validate({"input": "hi"})))
+    raw = r.opening() + r.events([Delta("r", "Hi. " + first, 1)])
+    r.last = Finish("r", "and more", 1, FinishReason.STOP, prompt_tokens=3, completion_tokens=9)
+    raw += r.events([r.last]) + r.closing()
+    events = [json.loads(line[6:]) for line in raw.decode().split("\n") if line.startswith("data: ")]
+    done = [(e["output_index"], e["item"]["id"]) for e in events if e["type"] == "response.output_item.done"]
+    assert done == [(0, "msg_1"), (1, "fc_1_0"), (2, "msg_1_1")]
+    output = events[-1]["response"]["output"]
+    assert [o["id"] for o in output] == ["msg_1", "fc_1_0", "msg_1_1"]
+    assert output[0]["content"][0]["text"] == "Hi. " and output[2]["content"][0]["text"] == "and more"

@@ -190,17 +190,20 @@ class ResponsesShaper:
         self.last: Output | None = None
         self._open = False  # the stream's message item is open
         self._index = 0  # the stream's next output index
-        self._closed_msg: dict[str, Any] | None = None  # the message item closed before a call streamed
         self.later: list[str] = []  # text after calls that streamed (a second message item)
+        self.later_id = self.msg_id + "_1"
 
     def _status(self) -> str:
         assert self.last is not None
         return "incomplete" if self.last.finish_reason == "length" and not self.calls else "completed"
 
-    def _message(self, status: str) -> dict[str, Any]:
+    def _message(self, status: str, item_id: str | None = None, parts: list[str] | None = None) -> dict[str, Any]:
+        """The message item (``item_id`` and ``parts``: the later one's, after streamed calls)."""
+        parts = self.parts if parts is None else parts
         content = [] if status == "in_progress" else [
-            {"type": "output_text", "text": "".join(self.parts), "annotations": [], "logprobs": []}]
-        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": content}
+            {"type": "output_text", "text": "".join(parts), "annotations": [], "logprobs": []}]
+        return {"type": "message", "id": item_id or self.msg_id, "status": status, "role": "assistant",
+                "content": content}
 
     def _call(self, i: int, status: str) -> dict[str, Any]:
         c = self.calls[i]
@@ -211,12 +214,8 @@ class ResponsesShaper:
         items = [self._message(status)] if "".join(self.parts) or not self.calls else []
         items += [self._call(i, "completed") for i in range(len(self.calls))]
         if self.later:
-            items.append(self._later_message())
+            items.append(self._message("completed", self.later_id, self.later))
         return items
-
-    def _later_message(self) -> dict[str, Any]:
-        return {"type": "message", "id": self.msg_id + "_1", "status": "completed", "role": "assistant",
-                "content": [{"type": "output_text", "text": "".join(self.later), "annotations": [], "logprobs": []}]}
 
     def response(self, status: str) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -258,17 +257,21 @@ class ResponsesShaper:
         return (self.event("response.created", response=self.response("in_progress"))
                 + self.event("response.in_progress", response=self.response("in_progress")))
 
-    def _text(self, text: str) -> bytes:
+    def _text(self, text: str, item_id: str | None = None, parts: list[str] | None = None) -> bytes:
+        """``text`` into the open message item (opened first where none is); ``item_id`` and
+        ``parts``: the later message's."""
+        item_id, parts = item_id or self.msg_id, self.parts if parts is None else parts
         out = b""
         if not self._open:
             self._open = True
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            out += self.event("response.output_item.added", output_index=self._index, item=self._message("in_progress"))
-            out += self.event("response.content_part.added", item_id=self.msg_id, output_index=self._index,
+            out += self.event("response.output_item.added", output_index=self._index,
+                              item=self._message("in_progress", item_id, parts))
+            out += self.event("response.content_part.added", item_id=item_id, output_index=self._index,
                               content_index=0, part=part)
         if text:
-            self.parts.append(text)
-            out += self.event("response.output_text.delta", item_id=self.msg_id, output_index=self._index,
+            parts.append(text)
+            out += self.event("response.output_text.delta", item_id=item_id, output_index=self._index,
                               content_index=0, delta=text, logprobs=[])
         return out
 
@@ -283,14 +286,14 @@ class ResponsesShaper:
             out += self._calls(ready)
         return out
 
-    def _close_message(self) -> bytes:
+    def _close_message(self, item_id: str | None = None, parts: list[str] | None = None) -> bytes:
         if not self._open:
             return b""
         self._open = False
-        item = self._closed_msg = self._message("completed")
-        out = (self.event("response.output_text.done", item_id=self.msg_id, output_index=self._index,
-                          content_index=0, text="".join(self.parts), logprobs=[])
-               + self.event("response.content_part.done", item_id=self.msg_id, output_index=self._index,
+        item = self._message("completed", item_id, parts)
+        out = (self.event("response.output_text.done", item_id=item["id"], output_index=self._index,
+                          content_index=0, text=item["content"][0]["text"], logprobs=[])
+               + self.event("response.content_part.done", item_id=item["id"], output_index=self._index,
                             content_index=0, part=item["content"][0])
                + self.event("response.output_item.done", output_index=self._index, item=item))
         self._index += 1
@@ -311,24 +314,6 @@ class ResponsesShaper:
             self._index += 1
         return out
 
-    def _later(self, text: str) -> bytes:
-        """Text after calls that already streamed: a message item of its own, after them."""
-        self.later.append(text)
-        item = self._later_message()
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        ix, iid = self._index, item["id"]
-        self._index += 1
-        return (self.event("response.output_item.added", output_index=ix, item={**item, "status": "in_progress",
-                                                                                "content": []})
-                + self.event("response.content_part.added", item_id=iid, output_index=ix, content_index=0, part=part)
-                + self.event("response.output_text.delta", item_id=iid, output_index=ix, content_index=0, delta=text,
-                             logprobs=[])
-                + self.event("response.output_text.done", item_id=iid, output_index=ix, content_index=0, text=text,
-                             logprobs=[])
-                + self.event("response.content_part.done", item_id=iid, output_index=ix, content_index=0,
-                             part=item["content"][0])
-                + self.event("response.output_item.done", output_index=ix, item=item))
-
     def closing(self) -> bytes:
         out = b""
         _, rest, more = self._stream.finish()
@@ -338,8 +323,8 @@ class ResponsesShaper:
         if not self._open and not self.calls and not more:
             out += self._text("")  # a plain answer always has its message, empty or not
         out += self._close_message() + self._calls(more)
-        if later:
-            out += self._later(later)
+        if later:  # text after calls that already streamed: a message item of its own, after them
+            out += self._text(later, self.later_id, self.later) + self._close_message(self.later_id, self.later)
         status = self._status()
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return out + self.event(kind, response=self.response(status))

@@ -216,8 +216,10 @@ class PrefixCache:
         if source is not None:
             busy.add(source.seq_id)
         entry, evicted = kept.victim(slot.cache_tokens, busy, [o.cache_tokens for o in slots if o is not slot])
-        held = entry is not None and bool(entry.cache_tokens)
-        if entry is None or not self.copy(slot, entry, len(slot.cache_tokens)):
+        if entry is None:
+            return False
+        held = bool(entry.cache_tokens)
+        if not self.copy(slot, entry, len(slot.cache_tokens)):
             return False
         kept.saved(entry, evicted, held)
         return True
