@@ -66,12 +66,28 @@ def _next_row(t: int) -> int:
 
 @dataclass(frozen=True)
 class MediaSpan:
-    """One medium in a request's prompt: its first position and its embedding rows."""
+    """One medium in a request's prompt: its first index and its embedding rows, and where a
+    projector with M-RoPE places them (``engine/cache/positions.py``)."""
 
     start: int
     embd: np.ndarray  # (n_rows, n_embd) float32
     causal: bool = True  # False: its rows attend to each other (decoded in one micro-batch)
+    # M-RoPE: each row's positions in the four sections (time, row, column, and a fourth), as
+    # mtmd places them for a medium at position 0 (int32, shape (4, n_rows)); ``moves``: 1
+    # where a position moves with the medium's first position, 0 where it is absolute
+    sections: np.ndarray | None = None
+    moves: np.ndarray | None = None
+    n_positions: int | None = None  # the positions the medium takes in all (None: one a row)
 
     @property
     def n(self) -> int:
         return len(self.embd)
+
+    def sections_at(self, p0: int, rows: slice) -> np.ndarray:
+        """The M-RoPE positions of ``rows`` of the medium when it starts at position ``p0``."""
+        return self.sections[:, rows] + p0 * self.moves[:, rows]
+
+    @property
+    def n_pos(self) -> int:
+        """The positions the medium takes: one a row, or as its projector places them."""
+        return self.n if self.n_positions is None else self.n_positions

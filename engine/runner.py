@@ -11,6 +11,7 @@ them in reverse order of creation, contexts always before the model their engine
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from contextlib import ExitStack
@@ -19,6 +20,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from engine.cache import positions
 from engine.cache.move import Moved, export_history, take_history
 from engine.cache.prefix import PrefixCache, sharing_on
 from engine.cache.prompt_cache import PromptCache
@@ -85,7 +87,7 @@ class Runner:
                     built.callback(self.drafter.close)
             self._close = built.pop_all()
         self.batch = Batch(n_batch)
-        self.n_embd = int(llama_cpp.llama_model_n_embd(model.ptr))
+        self.n_embd = int(llama_cpp.llama_model_n_embd_inp(model.ptr))  # a medium's rows (deepstack: wider)
         self._media_batch: Batch | None = None  # made for the first medium, as large as the largest
         self.n_ctx_slot = self.ctx.n_ctx_seq
         self.n_ubatch = self.ctx.n_ubatch
@@ -125,8 +127,9 @@ class Runner:
     def fill(self, plan: Plan) -> None:
         b = self.batch
         b.clear()
-        for e in plan.entries:
-            b.add(e.tokens, e.pos0, e.seq_id, (1 + len(e.draft)) if e.out else 0)
+        for e in plan.entries:  # an entry's tokens are text, at consecutive positions
+            b.add(e.tokens, positions.position(e.slot.cache_shifts, e.pos0), e.seq_id,
+                  (1 + len(e.draft)) if e.out else 0)
 
     def decode(self, plan: Plan) -> None:
         """Decode the filled batch; the prefix cache then holds the plan's tokens, and the
@@ -145,22 +148,29 @@ class Runner:
 
     def _decode_medium(self, m: MediaEntry) -> None:
         """One medium's embedding rows into its slot's KV: a batch of their own (without
-        logits), with causal attention off where the projector's rows attend to each other."""
+        logits), with causal attention off where the projector's rows attend to each other,
+        at the positions its projector gives them (M-RoPE: sections of their own)."""
         span, ids = m.span, m.tokens
+        sections = span.sections
         b = self._media_batch
-        if b is None:
-            b = self._media_batch = Batch(self.batch.capacity, self.n_embd, embeddings_only=True)
+        if b is None or (sections is not None and len(b.pos) < b.capacity * len(sections)):
+            b = self._media_batch = Batch(self.batch.capacity, self.n_embd, embeddings_only=True,
+                                          n_sections=1 if sections is None else len(sections))
+        p0 = positions.position(m.slot.cache_shifts, span.start)
         if not span.causal:  # whole in one micro-batch (the engine checked n_ubatch)
             self.ctx.set_causal(False)
         try:
             for i in range(0, span.n, b.capacity):  # a batch takes n_batch rows at most
                 b.clear()
-                b.add(ids[i : i + b.capacity], span.start + i, m.slot.seq_id, 0, embd=span.embd[i : i + b.capacity])
+                part = slice(i, i + b.capacity)
+                b.add(ids[part], p0 + i, m.slot.seq_id, 0, embd=span.embd[part])
+                if sections is not None:
+                    b.set_sections(span.sections_at(p0, part))
                 self._decode(b)
         finally:
             if not span.causal:
                 self.ctx.set_causal(True)
-        self.prefix.extend(m.slot, ids)
+        self.prefix.extend(m.slot, ids, span.n_pos)
 
     def _decode(self, batch: Batch) -> None:
         """One ``llama_decode``, seen from outside while it runs (``decode_since``); the prefix
@@ -208,26 +218,37 @@ class Runner:
     # ---- a slot's KV in a file ------------------------------------------------------------------
 
     def save_slot(self, s: Slot, path: Path) -> int:
-        """Write the slot's KV and tokens to ``path`` (and the MTP context's beside it);
-        returns the bytes written."""
+        """Write the slot's KV and tokens to ``path`` (and the MTP context's beside it, and
+        where its tokens sit when that is not their index); returns the bytes written."""
         n = self.ctx.seq_save(str(path), s.seq_id, s.cache_tokens)
         if self.mtp is not None:
             self.mtp.save(str(path), s)
+        side = _positions_file(path)
+        if s.cache_shifts:
+            side.write_text(json.dumps(s.cache_shifts))
+        else:
+            side.unlink(missing_ok=True)
         return n
 
     def load_slot(self, s: Slot, path: Path) -> int:
         """Replace the slot's KV by the one saved in ``path``; returns how many tokens it holds.
-        On failure the slot holds nothing."""
+        On failure the slot holds nothing. Media whose positions are not known (a file without
+        its positions beside it) are not kept, nor what follows them."""
         self.prefix.drop(s)
         try:
             tokens = self.ctx.seq_load(str(path), s.seq_id, self.n_ctx_slot)
         except BaseException:
             self.prefix.drop(s)
             raise
-        self.prefix.load(s, tokens)
+        side = _positions_file(path)
+        shifts = [tuple(e) for e in json.loads(side.read_text())] if side.exists() else []
+        self.prefix.load(s, tokens, shifts)
+        if tokens and not shifts and self.ctx.seq_pos_max(s.seq_id) != len(tokens) - 1:
+            first = next((i for i, t in enumerate(tokens) if t < 0), len(tokens))
+            self.prefix.keep(s, first)
         if self.mtp is not None:
             self.mtp.load(str(path), s, self.n_ctx_slot)
-        return len(tokens)
+        return len(s.cache_tokens)
 
     def export_history(self, slots: list[Slot], prompt: list[int], salt: str, min_n: int) -> Moved | None:
         """For another group: the state of this group's sequence holding the longest prefix of
@@ -264,3 +285,8 @@ class Runner:
 
     def logits_row(self, i: int) -> np.ndarray:
         return self.ctx.logits_row(i, self.n_vocab)
+
+
+def _positions_file(path: Path) -> Path:
+    """Beside a slot file: where its tokens sit, when that is not their index."""
+    return Path(str(path) + ".positions")

@@ -76,6 +76,8 @@ class Slot:
     seq_id: int
     cache_tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the sequence
     cache_salt: str = ""  # the cache_salt of the requests that wrote that KV: only theirs may reuse it
+    # where those tokens sit among the model's positions, where that is not their index (engine/cache/positions.py)
+    cache_shifts: list[tuple[int, int]] = field(default_factory=list)
     state: SlotState = SlotState.IDLE
     req: Request | None = None
     sampler: SamplerChain | None = None

@@ -45,12 +45,13 @@ MOVE_WAIT_S = 10.0  # how long a parked request waits for the holding group's st
 @dataclass(frozen=True)
 class Moved:
     """A sequence's state read from the holding group: the tokens its KV holds, their salt, the
-    target's state and the MTP head's (None without one)."""
+    target's state and the MTP head's (None without one), and their positions."""
 
     tokens: tuple[int, ...]
     salt: str
     data: bytes
     mtp: bytes | None = None
+    shifts: tuple[tuple[int, int], ...] = ()  # where the tokens sit (engine/cache/positions.py)
 
     @property
     def n_bytes(self) -> int:
@@ -65,7 +66,7 @@ def export_history(prefix: PrefixCache, ctx: Context, mtp_ctx: Context | None, s
     if src is None:
         return None
     moved = Moved(tuple(src.cache_tokens), src.cache_salt, ctx.seq_state(src.seq_id),
-                  mtp_ctx.seq_state(src.seq_id) if mtp_ctx is not None else None)
+                  mtp_ctx.seq_state(src.seq_id) if mtp_ctx is not None else None, tuple(src.cache_shifts))
     prefix.n_moved_out += 1
     return moved
 
@@ -92,7 +93,7 @@ def take_history(prefix: PrefixCache, ctx: Context, mtp_ctx: Context | None, slo
     if not ok:
         prefix.drop(slot)
         return 0
-    prefix.load(slot, list(moved.tokens))
+    prefix.load(slot, list(moved.tokens), list(moved.shifts))
     slot.cache_salt = moved.salt
     prefix.n_moved_in += 1
     prefix.n_moved_tokens += n

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine.cache import positions
 from engine.cache.tokens import common_prefix, reusable
 from engine.errors import NativeError
 
@@ -45,23 +46,28 @@ if TYPE_CHECKING:
     from engine.slots import Slot
 
 
-def window_holds(ctx: Context, n_swa: int, seq_id: int, n: int) -> bool:
-    """Whether the first ``n`` tokens of a sequence can be continued: a sliding-window cache
-    dropped the oldest positions, and the next token attends over the ``n_swa`` before it."""
-    return n <= 0 or ctx.seq_pos_min(seq_id) <= max(0, n - n_swa)
+def window_holds(ctx: Context, n_swa: int, seq_id: int, n: int, shifts: positions.Shifts = ()) -> bool:
+    """Whether the first ``n`` tokens of a sequence (``shifts``: where they sit) can be
+    continued: a sliding-window cache dropped the oldest positions, and the next token attends
+    over the ``n_swa`` before it."""
+    return n <= 0 or ctx.seq_pos_min(seq_id) <= max(0, positions.position(shifts, n) - n_swa)
 
 
-def keep_prefix(ctx: Context, n_swa: int, seq_id: int, cached: list[int], n_keep: int) -> int:
+def keep_prefix(ctx: Context, n_swa: int, seq_id: int, cached: list[int], n_keep: int,
+                shifts: positions.Shifts | None = None) -> int:
     """Keep the first ``n_keep`` of a sequence's ``cached`` tokens in its KV and drop the rest
-    (``cached`` is cut to match); none when the window dropped positions that prefix attends
-    over, or the KV cannot be cut there (a recurrent state). Returns how many were kept."""
-    if n_keep > 0 and not window_holds(ctx, n_swa, seq_id, n_keep):
+    (``cached`` and their ``shifts``, where they sit, are cut to match); none when the window
+    dropped positions that prefix attends over, or the KV cannot be cut there (a recurrent
+    state). Returns how many were kept."""
+    shifts = [] if shifts is None else shifts
+    if n_keep > 0 and not window_holds(ctx, n_swa, seq_id, n_keep, shifts):
         n_keep = 0
     if n_keep < len(cached):
-        if not ctx.seq_rm(seq_id, n_keep, -1):
+        if not ctx.seq_rm(seq_id, positions.position(shifts, n_keep), -1):
             ctx.seq_rm(seq_id, 0, -1)
             n_keep = 0
         del cached[n_keep:]
+        positions.cut(shifts, n_keep)
     return n_keep
 
 
@@ -130,7 +136,7 @@ class PrefixCache:
             n = reusable(o.cache_tokens, p, cap) if o.cache_tokens else 0
             if self.whole_only and n != len(o.cache_tokens):
                 continue
-            if n >= need and n > best.n and window_holds(self.ctx, self.n_swa, o.seq_id, n):
+            if n >= need and n > best.n and window_holds(self.ctx, self.n_swa, o.seq_id, n, o.cache_shifts):
                 best = Reuse(own=n_own, source=o, shared=n, ready=True)
             if o.req is not None and o.n_prompt_done < len(o.req.prompt_tokens) and o.req.cache_salt == salt:
                 # a prompt on its way: worth waiting for when it gives clearly more
@@ -153,7 +159,7 @@ class PrefixCache:
             n = reusable(o.cache_tokens, p, cap)
             if self.whole_only and n != len(o.cache_tokens):
                 continue
-            if n >= max(min_n, 1) and n > n_best and window_holds(self.ctx, self.n_swa, o.seq_id, n):
+            if n >= max(min_n, 1) and n > n_best and window_holds(self.ctx, self.n_swa, o.seq_id, n, o.cache_shifts):
                 best, n_best = o, n
         return best
 
@@ -164,7 +170,7 @@ class PrefixCache:
     def _can_keep(self, slot: Slot, n: int) -> bool:
         if self.whole_only and n != len(slot.cache_tokens):
             return False
-        return window_holds(self.ctx, self.n_swa, slot.seq_id, n)
+        return window_holds(self.ctx, self.n_swa, slot.seq_id, n, slot.cache_shifts)
 
     def due(self, waiter: Slot) -> bool:
         """Whether the prefix a waiting slot takes from its leader is in the leader's KV."""
@@ -174,7 +180,7 @@ class PrefixCache:
 
     def keep(self, slot: Slot, n: int) -> int:
         """Keep the first ``n`` tokens of the slot's own KV; returns how many it kept."""
-        return keep_prefix(self.ctx, self.n_swa, slot.seq_id, slot.cache_tokens, n)
+        return keep_prefix(self.ctx, self.n_swa, slot.seq_id, slot.cache_tokens, n, slot.cache_shifts)
 
     def reuse_from(self, src: Slot, dst: Slot, n: int) -> bool:
         """``copy`` for a new prompt: counts what it reused (from another slot, or from the
@@ -232,17 +238,20 @@ class PrefixCache:
         n = min(n, len(src.cache_tokens))
         self.ctx.seq_rm(dst.seq_id, 0, -1)
         dst.cache_tokens.clear()
-        if n <= 0 or not window_holds(self.ctx, self.n_swa, src.seq_id, n):
+        dst.cache_shifts.clear()
+        if n <= 0 or not window_holds(self.ctx, self.n_swa, src.seq_id, n, src.cache_shifts):
             return False
+        end = positions.position(src.cache_shifts, n)
         if self.unified:
-            self.ctx.seq_cp(src.seq_id, dst.seq_id, 0, n)
+            self.ctx.seq_cp(src.seq_id, dst.seq_id, 0, end)
         else:
             self.ctx.seq_cp(src.seq_id, dst.seq_id)
             self.pending[dst.seq_id] = src.seq_id
-            if n < len(src.cache_tokens) and not self.ctx.seq_rm(dst.seq_id, n, -1):
+            if n < len(src.cache_tokens) and not self.ctx.seq_rm(dst.seq_id, end, -1):
                 self.ctx.seq_rm(dst.seq_id, 0, -1)
                 return False
         dst.cache_tokens.extend(src.cache_tokens[:n])
+        dst.cache_shifts.extend(positions.kept(src.cache_shifts, n))
         dst.cache_salt = src.cache_salt
         return True
 
@@ -260,28 +269,35 @@ class PrefixCache:
         """Whether a queued copy will read the slot's KV at the next decode."""
         return slot.seq_id in self.pending.values()
 
-    def extend(self, slot: Slot, tokens: list[int]) -> None:
-        """The decode that just ran put ``tokens`` in the slot's KV (its request's salt's, now)."""
+    def extend(self, slot: Slot, tokens: list[int], n_pos: int | None = None) -> None:
+        """The decode that just ran put ``tokens`` in the slot's KV (its request's salt's, now):
+        text, or with ``n_pos`` a medium's rows that take that many positions."""
         slot.cache_tokens.extend(tokens)
+        if n_pos is not None:
+            positions.after_medium(slot.cache_shifts, len(slot.cache_tokens), len(tokens), n_pos)
         if slot.req is not None:
             slot.cache_salt = slot.req.cache_salt
 
     def cut(self, slot: Slot, n: int) -> None:
-        """Drop everything from position ``n`` on (rejected draft tokens)."""
-        if not self.ctx.seq_rm(slot.seq_id, n, -1):
+        """Drop everything from index ``n`` on (rejected draft tokens)."""
+        if not self.ctx.seq_rm(slot.seq_id, positions.position(slot.cache_shifts, n), -1):
             raise NativeError(f"removing the tokens of sequence {slot.seq_id} after {n} failed", -1)
         del slot.cache_tokens[n:]
+        positions.cut(slot.cache_shifts, n)
 
     def drop(self, slot: Slot) -> int:
         """Forget the slot's KV; returns how many tokens it held."""
         n = len(slot.cache_tokens)
         self.ctx.seq_rm(slot.seq_id, 0, -1)
         slot.cache_tokens.clear()
+        slot.cache_shifts.clear()
         return n
 
-    def load(self, slot: Slot, tokens: list[int]) -> None:
-        """The slot's KV was restored from a file and holds ``tokens`` (of no salt)."""
+    def load(self, slot: Slot, tokens: list[int], shifts: positions.Shifts = ()) -> None:
+        """The slot's KV was restored (from a file, or another group's) and holds ``tokens``
+        (of no salt), at the positions ``shifts`` says."""
         slot.cache_tokens[:] = tokens
+        slot.cache_shifts[:] = shifts
         slot.cache_salt = ""
 
 

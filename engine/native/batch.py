@@ -20,13 +20,14 @@ class Batch:
     the token and the hidden state that came before it).
     """
 
-    def __init__(self, capacity: int, n_embd: int = 0, *, embeddings_only: bool = False) -> None:
+    def __init__(self, capacity: int, n_embd: int = 0, *, embeddings_only: bool = False, n_sections: int = 1) -> None:
         """``embeddings_only`` (with ``n_embd``): the rows are their vectors alone, no token
-        (a medium's rows from the projector)."""
+        (a medium's rows from the projector); ``n_sections``: the positions of each such row
+        (4 with M-RoPE: ``set_sections``)."""
         self.capacity = capacity
         self.embd = np.zeros((capacity, n_embd), np.float32) if n_embd else None
         self.token = np.zeros(capacity, np.int32)
-        self.pos = np.zeros(capacity, np.int32)
+        self.pos = np.zeros(capacity * n_sections, np.int32)
         self.n_seq_id = np.ones(capacity, np.int32)
         self.seq = np.zeros(capacity, np.int32)
         self.logits = np.zeros(capacity, np.int8)
@@ -68,6 +69,14 @@ class Batch:
         self.n_tokens = i + n
         self.struct.n_tokens = self.n_tokens
         return i
+
+    def set_sections(self, pos: np.ndarray) -> None:
+        """The rows' positions in every M-RoPE section (``pos``: (sections, n_tokens)), laid
+        out as llama.cpp reads an embeddings batch's: section by section, ``n_tokens`` apart."""
+        k, n = pos.shape
+        if n != self.n_tokens or k * n > len(self.pos):
+            raise ValueError("the sections must give every row of the batch its positions")
+        self.pos[: k * n] = pos.reshape(-1)
 
     @property
     def free(self) -> int:

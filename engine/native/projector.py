@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,8 +18,6 @@ from engine.errors import RequestError
 from engine.media import MEDIA_SLOT, MediaSpan, is_media, media_hash, media_ids, media_key
 
 log = logging.getLogger(__name__)
-
-
 
 
 class Projector:
@@ -48,11 +47,10 @@ class Projector:
         self.n_embd = n_embd
         self.vision = bool(m.mtmd_support_vision(self.ctx))
         self.audio = bool(m.mtmd_support_audio(self.ctx))
-        if m.mtmd_decode_use_mrope(self.ctx):
-            self.close()
-            raise ValueError(f"the projector {path} needs M-RoPE positions, which this engine does not place yet")
+        # Qwen2-VL, 2.5-VL, 3-VL: an image's rows are placed in M-RoPE sections (engine/cache/positions.py)
+        self.mrope = bool(m.mtmd_decode_use_mrope(self.ctx))
         self._lock = threading.Lock()
-        self._cache: OrderedDict[bytes, list[tuple[list[int], np.ndarray | None, bool]]] = OrderedDict()
+        self._cache: OrderedDict[bytes, list[_Piece]] = OrderedDict()
         self._cache_bytes, self._held = cache_bytes, 0
         # counters for /metrics (read without the lock: each a number written by one thread at a time)
         self.stats = {"encoded": 0, "encode_seconds": 0.0, "rows": 0, "cache_hits": 0}
@@ -79,17 +77,17 @@ class Projector:
         last = 0
         for i, data in zip(slots, media, strict=True):
             out.extend(tokens[last:i])
-            for ids, embd, causal in self._pieces(data):
-                if embd is not None:
-                    spans.append(MediaSpan(len(out), embd, causal))
-                out.extend(ids)
+            for pc in self._pieces(data):
+                if pc.embd is not None:
+                    spans.append(MediaSpan(len(out), pc.embd, pc.causal, pc.sections, pc.moves, pc.n_pos))
+                out.extend(pc.ids)
             last = i + 1
         out.extend(tokens[last:])
         if out and is_media(out[-1]):
             raise RequestError("a prompt cannot end with an image: put text after it")
         return out, spans
 
-    def _pieces(self, data: bytes) -> list[tuple[list[int], np.ndarray | None, bool]]:
+    def _pieces(self, data: bytes) -> list[_Piece]:
         """What one medium is in the prompt: text tokens (``None`` rows) and embedding rows."""
         key = media_key(data)
         with self._lock:
@@ -100,7 +98,7 @@ class Projector:
                 return got
             t0 = time.perf_counter()
             pieces = self._encode(data, media_hash(data, key))
-            rows = [e for _, e, _ in pieces if e is not None]
+            rows = [pc.embd for pc in pieces if pc.embd is not None]
             self.stats["encoded"] += 1
             self.stats["encode_seconds"] += time.perf_counter() - t0
             self.stats["rows"] += sum(len(e) for e in rows)
@@ -108,10 +106,10 @@ class Projector:
             self._held += sum(e.nbytes for e in rows)
             while self._held > self._cache_bytes and len(self._cache) > 1:
                 _, old = self._cache.popitem(last=False)
-                self._held -= sum(e.nbytes for _, e, _ in old if e is not None)
+                self._held -= sum(pc.embd.nbytes for pc in old if pc.embd is not None)
             return pieces
 
-    def _encode(self, data: bytes, h: int) -> list[tuple[list[int], np.ndarray | None, bool]]:
+    def _encode(self, data: bytes, h: int) -> list[_Piece]:
         m = self._m
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         bitmap = m.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(data), False)
@@ -128,27 +126,62 @@ class Projector:
             if rc != 0:
                 raise RequestError(f"the projector cannot take this medium (mtmd_tokenize returned {rc}): "
                                    "audio to a model without audio, or an image to one without vision")
-            pieces: list[tuple[list[int], np.ndarray | None, bool]] = []
+            pieces: list[_Piece] = []
             for i in range(m.mtmd_input_chunks_size(chunks)):
                 c = m.mtmd_input_chunks_get(chunks, i)
                 if m.mtmd_input_chunk_get_type(c) == m.MTMD_INPUT_CHUNK_TYPE_TEXT:
                     n = ctypes.c_size_t()
                     ptr = m.mtmd_input_chunk_get_tokens_text(c, ctypes.byref(n))
-                    pieces.append(([ptr[k] for k in range(n.value)], None, True))
+                    pieces.append(_Piece([ptr[k] for k in range(n.value)]))
                     continue
                 n_rows = m.mtmd_input_chunk_get_n_tokens(c)
-                if m.mtmd_input_chunk_get_n_pos(c) != n_rows:
-                    raise RequestError("this projector places its rows unlike tokens (M-RoPE): not supported")
+                n_pos = m.mtmd_input_chunk_get_n_pos(c)
+                sections = moves = None
+                if self.mrope:
+                    sections, moves = self._sections(c, n_rows)
+                elif n_pos != n_rows:
+                    raise RequestError("this projector places its rows unlike tokens: not supported")
                 if m.mtmd_encode_chunk(self.ctx, c) != 0:
                     raise RequestError("the projector failed to encode the medium")
                 ptr = m.mtmd_get_output_embd(self.ctx)
                 embd = np.ctypeslib.as_array(ptr, shape=(n_rows * self.n_embd,)).reshape(n_rows, self.n_embd).copy()
                 causal = not m.mtmd_decode_use_non_causal(self.ctx, c)
-                pieces.append((media_ids(h + sum(len(p[0]) for p in pieces), n_rows), embd, causal))
+                ids = media_ids(h + sum(len(p.ids) for p in pieces), n_rows)
+                pieces.append(_Piece(ids, embd, causal, sections, moves, None if n_pos == n_rows else n_pos))
             return pieces
         finally:
             m.mtmd_input_chunks_free(chunks)
             m.mtmd_bitmap_free(bitmap)
+
+
+    def _sections(self, c: object, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """A medium's rows in M-RoPE sections (time, row, column, fourth), as mtmd places them:
+        read for a first position of 0 and of 1, so that what moves with it is known."""
+        m = self._m
+        img = m.mtmd_input_chunk_get_tokens_image(c)
+        if not img:  # audio: one position a row, the same in every section
+            at0 = np.tile(np.arange(n_rows, dtype=np.int32), (4, 1))
+            return at0, np.ones((4, n_rows), np.int32)
+        def at(p0: int) -> np.ndarray:
+            out = np.empty((4, n_rows), np.int32)
+            for k in range(n_rows):
+                d = m.mtmd_image_tokens_get_decoder_pos(img, p0, k)
+                out[:, k] = (d.t, d.y, d.x, d.z)
+            return out
+        at0 = at(0)
+        return at0, at(1) - at0
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """What a medium is in a prompt, piece by piece: text tokens (no rows), or rows with their ids."""
+
+    ids: list[int]
+    embd: np.ndarray | None = None
+    causal: bool = True
+    sections: np.ndarray | None = None
+    moves: np.ndarray | None = None
+    n_pos: int | None = None
 
 
 def load_projector(config: object, model: object) -> Projector:
@@ -161,7 +194,7 @@ def load_projector(config: object, model: object) -> Projector:
     use_gpu = bool(config.mmproj_offload and local_gpus())  # type: ignore[attr-defined]
     p = Projector(str(config.mmproj), model.ptr, use_gpu=use_gpu,  # type: ignore[attr-defined]
                   n_threads=config.local_threads(),  # type: ignore[attr-defined]
-                  n_embd=int(llama_cpp.llama_model_n_embd(model.ptr)),  # type: ignore[attr-defined]
+                  n_embd=int(llama_cpp.llama_model_n_embd_inp(model.ptr)),  # deepstack: wider  # type: ignore[attr-defined]
                   cache_bytes=config.media_cache_mib << 20)  # type: ignore[attr-defined]
     log.info("projector %s loaded on the %s: %s", config.mmproj, "GPU" if use_gpu else "CPU",  # type: ignore[attr-defined]
              ", ".join(k for k, v in p.modalities.items() if v) or "nothing")

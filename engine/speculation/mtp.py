@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine.cache import positions
 from engine.config import SpeculativeConfig
 from engine.errors import NativeError
 from engine.native.batch import Batch
@@ -150,15 +151,16 @@ class MtpDrafter:
         for e in plan.entries:
             entries.append((e.seq_id, o, len(e.tokens)))
             o += len(e.tokens)
-        kv.rows = {seq: (off, e.pos0, n) for (seq, off, n), e in zip(entries, plan.entries, strict=True)}
+        starts = [positions.position(e.slot.cache_shifts, e.pos0) for e in plan.entries]  # text: consecutive
+        kv.rows = {seq: (off, p0, n) for (seq, off, n), p0 in zip(entries, starts, strict=True)}
         if o == 0:
             return
         kv.h = self.target.embeddings_nextn(o, self.n_embd).copy()
         states = pairs(entries, kv.h, kv.pending, self.zero)
         b = self.batch
         b.clear()
-        for (seq, off, n), e in zip(entries, plan.entries, strict=True):
-            b.add(e.tokens, e.pos0, seq, False, states[off : off + n])
+        for (seq, off, n), e, p0 in zip(entries, plan.entries, starts, strict=True):
+            b.add(e.tokens, p0, seq, False, states[off : off + n])
             kv.pending[seq] = kv.h[off + n - 1]
         try:
             self.ctx.decode(b)
