@@ -62,6 +62,23 @@ def test_media_ids_are_a_run_per_image_and_a_reuse_never_cuts_one():
     assert media_boundary(two, 5) == 5  # between two images: a boundary
 
 
+def test_a_medium_placed_in_fewer_positions_than_rows_shifts_what_follows():
+    from engine.cache import positions as P
+
+    shifts: P.Shifts = []
+    P.after_medium(shifts, 3 + 16, 16, 4)  # text 0..2, then 16 rows on 4 positions (M-RoPE, 4 x 4)
+    assert shifts == [(19, 12)]
+    assert [P.position(shifts, i) for i in (0, 2, 3, 19, 20)] == [0, 2, 3, 7, 8]
+    P.after_medium(shifts, 19 + 2 + 6, 6, 6)  # one a row: no shift of its own
+    P.after_medium(shifts, 27 + 9, 9, 3)
+    assert shifts == [(19, 12), (36, 18)] and P.position(shifts, 36) == 18
+    assert P.kept(shifts, 35) == [(19, 12)] and P.kept(shifts, 36) == shifts
+    P.cut(shifts, 19)  # up to the end of the first medium: its shift stays
+    assert shifts == [(19, 12)]
+    P.cut(shifts, 3)  # at its start: gone, index and position agree again
+    assert shifts == [] and P.position(shifts, 3) == 3
+
+
 def test_an_image_is_its_rows_and_changes_the_answer(vision):
     e = vision(pipeline_groups=2)
     assert e.modalities == {"vision": True, "audio": False, "video": False}

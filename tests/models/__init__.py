@@ -2,7 +2,9 @@
 
 - ``synthetic``: a llama-architecture GGUF of any shape (``write_model``), and the other
   architectures the suite needs (hybrid, MoE, MTP);
-- ``projector``: an image projector (mmproj) for the synthetic model.
+- ``projector``: an image projector (mmproj) for the synthetic model;
+- ``families``: tiny GGUFs of the real architectures users split;
+- ``qwen_vl``: a tiny Qwen2-VL or Qwen3-VL pair (text model and M-RoPE projector).
 
 Not part of the product: nothing under ``engine/`` or ``deployments/`` imports this package.
 ``python -m tests.models`` writes the default synthetic model and its projector into ``models/``.
