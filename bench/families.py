@@ -9,14 +9,23 @@ groups, its RPC stage) and llama-server ``--jinja`` with rpc-server, the same la
   answer, and the parsed message (``content``, ``reasoning_content``, each tool call's name and
   arguments as JSON, ``finish_reason``) compared field by field.
 
+For the Qwen-VL pairs (``tests/models/qwen_vl``: ``qwen2vl``, ``qwen3vl`` and their M-RoPE
+projectors, both servers given the ``--mmproj``):
+
+- **images**: images of several shapes (their rows and positions differ) through the chat API,
+  one at a time, greedy, one image and two in one prompt, compared as text;
+- **next turn**: a conversation's second turn about the same image with prompt caching on (this
+  service reuses the first turn's KV, image and all), compared as text.
+
 Prints one JSON line a family and a table; exits 1 where any cell differs.
 
-    LLAMA_SERVER_BIN=... python -m bench.families [--archs gpt-oss,qwen3moe]
+    LLAMA_SERVER_BIN=... python -m bench.families [--archs gpt-oss,qwen3moe,qwen2vl]
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import sys
 import tempfile
@@ -25,7 +34,10 @@ from typing import Any
 
 import httpx
 
+from tests.images import png
 from tests.models.families import FAMILIES, FamilyShape, write_family
+from tests.models.qwen_vl import SHAPES as VL_SHAPES
+from tests.models.qwen_vl import write_qwen_vl
 
 LS_PORT, LS_RPC, RPC_PORT = 8791, 50191, 50192
 N_PEER = 2
@@ -39,6 +51,7 @@ TOOLS = [
 ASK = [{"role": "user", "content": "what is the weather in Paris and Zürich?"}]
 GREEDY_PROMPTS = [f"the {w} of the pipeline node number {i} said" for i, w in enumerate(["king", "queen", "dog", "cat"])]
 QUOTED = 'He said "hi"\nthen: \\o/ ünï — 東京'
+IMAGES = [png(56, 56, 1), png(112, 56, 2), png(56, 112, 3), png(300, 200, 4)]
 
 
 def _harmony(analysis: str | None, tail: str) -> str:
@@ -162,12 +175,43 @@ def compare(arch: str, ours: str, theirs: str) -> dict:
     return out
 
 
+def _image(img: bytes) -> dict:
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(img).decode()}}
+
+
+def image_chat(client: httpx.Client, base: str, messages: list[dict], cache: bool) -> str:
+    r = client.post(base + "/v1/chat/completions", json={
+        "messages": messages, "temperature": 0, "top_k": 1, "max_tokens": 16, "cache_prompt": cache})
+    r.raise_for_status()
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def compare_images(arch: str, ours: str, theirs: str) -> dict:
+    out: dict = {"arch": arch, "greedy": [], "answers": []}
+    asks = [[{"role": "user", "content": [_image(i), {"type": "text", "text": "what is in the picture"}]}]
+            for i in IMAGES]
+    asks.append([{"role": "user", "content": [_image(IMAGES[1]), {"type": "text", "text": "and"}, _image(IMAGES[3]),
+                                              {"type": "text", "text": "side by side"}]}])
+    with httpx.Client(timeout=120) as c:
+        for k, msgs in enumerate(asks):
+            a, b = image_chat(c, ours, msgs, False), image_chat(c, theirs, msgs, False)
+            out["greedy"].append({"prompt": f"image prompt {k}", "equal": a == b,
+                                  **({} if a == b else {"ours": a, "llama-server": b})})
+        for k, msgs in enumerate(asks[2:], 2):
+            first = image_chat(c, ours, msgs, True)
+            nxt = [*msgs, {"role": "assistant", "content": first}, {"role": "user", "content": "and its colour?"}]
+            a, b = image_chat(c, ours, nxt, True), image_chat(c, theirs, nxt, True)
+            out["answers"].append({"fixture": f"next turn {k}", "equal": a == b, "ours": a,
+                                   **({} if a == b else {"llama-server": b})})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench.llama_server import LlamaServer
     from bench.stack import HttpStack
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--archs", default=",".join(sorted(FAMILIES)))
+    p.add_argument("--archs", default=",".join([*sorted(FAMILIES), *VL_SHAPES]))
     a = p.parse_args(argv)
     shape = FamilyShape()
     results = []
@@ -175,14 +219,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory() as d:
             for arch in a.archs.split(","):
-                path = write_family(Path(d) / f"{arch}.gguf", arch, shape)
+                vl = arch in VL_SHAPES
+                if vl:
+                    path, mmproj = write_qwen_vl(d, arch)
+                    n_layer, extra, more = VL_SHAPES[arch].n_layer, ["--mmproj", str(mmproj)], {"mmproj": str(mmproj)}
+                else:
+                    path = write_family(Path(d) / f"{arch}.gguf", arch, shape)
+                    n_layer, extra, more = shape.n_layer, [], {}
                 stack.deploy({"model": str(path), "topology": "layer_split", "n_parallel": 2, "pipeline_groups": 2,
                               "n_ctx": 8192, "peer_layers": N_PEER, "n_threads": 1,
-                              "rpc": {"port": RPC_PORT, "threads": 1}})
-                ls = LlamaServer(path, n_layer=shape.n_layer, n_peer=N_PEER, output_local=True, slots=1, n_ctx=4096,
-                                 port=LS_PORT, rpc_port=LS_RPC, flash_attn="off", extra=["--jinja"])
+                              "rpc": {"port": RPC_PORT, "threads": 1}, **more})
+                ls = LlamaServer(path, n_layer=n_layer, n_peer=N_PEER, output_local=True, slots=1, n_ctx=4096,
+                                 port=LS_PORT, rpc_port=LS_RPC, flash_attn="off", extra=["--jinja", *extra])
                 try:
-                    r = compare(arch, stack.base, ls.base)
+                    r = (compare_images if vl else compare)(arch, stack.base, ls.base)
                 finally:
                     ls.close()
                 print(json.dumps(r, ensure_ascii=False), flush=True)

@@ -147,7 +147,8 @@ def test_ngram_drafts_after_an_image_are_verified_and_cut_at_its_shifted_positio
     want = mtmd_greedy(*pair, p, (IMAGES[3],), n=32)
     got = ask(e, p, (IMAGES[3],), params=SamplingParams(max_tokens=32, temperature=0, top_k=1))
     assert got.tokens == want
-    assert e.groups[0].runner.drafter is not None
+    drafted, accepted = sum(p.drafted for p in e.profiles()), sum(p.accepted for p in e.profiles())
+    assert drafted > accepted  # drafts were verified after the image, and some cut
 
 
 def test_a_slot_file_keeps_where_its_image_sits(vl, pair, tmp_path):
@@ -164,3 +165,16 @@ def test_a_slot_file_keeps_where_its_image_sits(vl, pair, tmp_path):
                                                           marker=MEDIA_MARKER)).media[0]
     assert b.final.cached_tokens > span.start + span.n  # the image's rows among them
     assert b.tokens == mtmd_greedy(*pair, second, (IMAGES[1],))
+
+
+def test_a_resumed_request_sends_its_image_again_and_goes_on_as_llama_cpp(vl, pair):
+    from deployments.api.values import ResumeSpec
+
+    e = vl(pipeline_groups=2)
+    p = turn("what is it")
+    er = PromptMaker.of_engine(e).make_request(p, GREEDY, "r0", media=(IMAGES[3],), marker=MEDIA_MARKER)
+    whole = e.complete(e.accept(er)).tokens
+    spec = ResumeSpec(er.prompt, (er.params,), GREEDY.max_tokens, True, -1, er.media)
+    cont = spec.continuation(0, whole[:4], "r0x")  # a replica was lost after four tokens
+    assert cont.media == (IMAGES[3],) and cont.n_resumed == 4
+    assert whole[:4] + e.complete(e.accept(cont)).tokens == mtmd_greedy(*pair, p, (IMAGES[3],))
