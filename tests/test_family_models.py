@@ -160,3 +160,41 @@ def test_a_grammar_that_spells_the_familys_markup_admits_its_special_tokens(fami
         # the markup came as the family's own tokens, not spelled out a character at a time
         ids = [i for t in marks for i in e.tokenizer.encode(t, add_special=False)]
         assert set(ids) <= set(tokens), (name, marks)
+
+
+def test_a_forced_call_is_written_in_the_familys_own_syntax_with_its_tokens(family, make):
+    """``tool_choice: required`` holds the model to its own family's call syntax (not Hermes'),
+    written in its markup tokens, and read back as a call by the family's parser; sampled at
+    temperature 1 on random weights, where only the grammar makes the answer a call (one call:
+    ``parallel_tool_calls`` false)."""
+    import json
+
+    from engine.text.harmony import parse_harmony
+    from engine.text.tool_calls import arg_types, parse_tool_calls
+    from engine.text.tools import ToolPlan
+    from tests.test_tools import SYNTAX
+
+    arch, _ = family
+    fam = FAMILIES[arch]
+    e = make(n_parallel=1, n_ctx=2048)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {  # bounded values
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Zürich"]}, "days": {"type": "integer"}},
+        "required": ["city", "days"]}}}]
+    plan = ToolPlan.make(e.tokenizer.template.source, e.tokenizer.template.builtin, tools, "required", False)
+    assert plan.format.value == fam.tool_format
+    prompt = prompts(e, 1)[0]
+    for seed in range(3):
+        outs = list(e.stream(prompt, SamplingParams(temperature=1.0, seed=seed, max_tokens=300, grammar=plan.grammar())))
+        text, toks = "".join(o.text for o in outs), [t for o in outs for t in o.tokens]
+        assert outs[-1].finish_reason == "stop", text
+        if arch == "gpt-oss":
+            calls = parse_harmony(text).calls
+        else:
+            calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                     for c in parse_tool_calls(text, ["get_weather"], arg_types(tools))[1]]
+        assert calls and all(n == "get_weather" and a["city"] in ("Paris", "Zürich") and isinstance(a["days"], int)
+                             for n, a in calls), text
+        assert text.startswith(SYNTAX[plan.format]), text  # the family's syntax, not Hermes'
+        marks = [t for t in fam.control + fam.text if t in text]
+        assert marks, text  # the family's markup, each as its one token
+        assert {e.tokenizer.encode(t, add_special=False)[0] for t in marks} <= set(toks), (marks, text)

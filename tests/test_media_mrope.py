@@ -50,6 +50,8 @@ def mtmd_greedy(model: str, mmproj: str, prompt: str, images: tuple[bytes, ...],
     from llama_cpp import mtmd_cpp as m
 
     mp = llama_cpp.llama_model_default_params()
+    cpu_only = (ctypes.c_void_p * 1)(None)  # not llama.cpp's default: every device registered, RPC ones too
+    mp.devices = ctypes.cast(cpu_only, ctypes.c_void_p)
     mdl = llama_cpp.llama_model_load_from_file(model.encode(), mp)
     cp = llama_cpp.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_threads, cp.n_threads_batch = 4096, 512, 1, 1

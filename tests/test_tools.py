@@ -4,6 +4,7 @@ forcing grammar on a model, and the request's checks."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -11,8 +12,11 @@ from pydantic import ValidationError
 
 from deployments.api.openai import ChatCompletionRequest
 from engine import SamplingParams
-from engine.text.tool_calls import ToolCallStream, parse_tool_calls
-from engine.text.tools import ToolFormat, ToolPlan, detect_format
+from engine.text.harmony import parse_harmony
+from engine.text.tool_calls import ToolCallStream, arg_types, parse_tool_calls
+from engine.text.tools import FORMAT_TOKENS, ToolFormat, ToolPlan, detect_format
+from tests.conftest import engine_factory
+from tests.models.synthetic import write_model
 
 WEATHER = {
     "type": "function",
@@ -93,11 +97,34 @@ def test_parallel_tool_calls_false_keeps_one_call():
     assert [c["function"]["name"] for c in s.finish()[1]] == ["get_time"]
 
 
-@pytest.mark.parametrize("fmt", list(ToolFormat))
+MARKUP = tuple(dict.fromkeys(t for ts in FORMAT_TOKENS.values() for t in ts))
+
+
+@pytest.fixture(scope="module")
+def markup_model(tmp_path_factory, small_shape):
+    """A small synthetic model whose vocabulary holds every format's markup as control tokens
+    and adds no space before a text, as the families' own (BPE) vocabularies: a forced text
+    after a special token is not tokenised with a leading space (docs/models.md, Limits)."""
+    path = write_model(tmp_path_factory.mktemp("markup") / "markup.gguf",
+                       replace(small_shape, n_vocab=2048, space_prefix=False, extra=(*MARKUP, "<|channel|>", "<|constrain|>", "<|message|>")))
+    engines = engine_factory(model=str(path), n_threads=1, n_parallel=2)
+    yield next(engines)()
+    next(engines, None)  # closes the engine
+
+
+SYNTAX = {ToolFormat.HERMES: "<tool_call>\n{", ToolFormat.GENERIC: "<tool_call>\n{", ToolFormat.MISTRAL: "[TOOL_CALLS][",
+          ToolFormat.LLAMA3: "{", ToolFormat.QWEN3_CODER: "<tool_call>\n<function=get_", ToolFormat.GLM45: "<tool_call>get_",
+          ToolFormat.DEEPSEEK_V31: "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_",
+          ToolFormat.KIMI_K2: "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_",
+          ToolFormat.HARMONY: "<|channel|>commentary to=functions.get_"}
+
+
+@pytest.mark.parametrize("fmt", [f for f in ToolFormat if f is not ToolFormat.DEEPSEEK_V31])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_the_forcing_grammar_gives_calls_that_validate(make_engine, fmt, choice):
-    """Sampled on a model with random weights: only the grammar makes the output a call."""
-    e = make_engine(n_parallel=2)
+def test_the_forcing_grammar_gives_calls_that_validate(markup_model, fmt, choice):
+    """Sampled on a model with random weights: only the grammar makes the output a call, in the
+    format's own syntax, its markup written as the tokens the vocabulary has for it."""
+    e = markup_model
     plan = ToolPlan.make("", True, [WEATHER, TIME], choice, None)
     plan.format = fmt
     g = plan.grammar()
@@ -105,13 +132,41 @@ def test_the_forcing_grammar_gives_calls_that_validate(make_engine, fmt, choice)
     for seed in range(4):
         c = e.generate("call a tool", SamplingParams(temperature=1.0, seed=seed, max_tokens=2000, grammar=g))
         assert c.final.finish_reason == "stop", c.text
-        _, calls = parse_tool_calls(c.text, NAMES)
+        if fmt is ToolFormat.HARMONY:  # harmony's reader takes its whole answer
+            calls = [(n, a) for n, a in parse_harmony(c.text).calls]
+        else:
+            calls = [(x["function"]["name"], json.loads(x["function"]["arguments"]))
+                     for x in parse_tool_calls(c.text, NAMES, arg_types([WEATHER, TIME]))[1]]
         assert calls, (fmt, c.text)
-        for call in calls:
-            name = call["function"]["name"]
+        for name, args in calls:
             if isinstance(choice, dict):
                 assert name == "get_weather"
-            jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[name])
+            jsonschema.validate(args, schemas[name])
+        assert c.text.startswith(SYNTAX[fmt]), (fmt, c.text)  # in the format's own syntax
+
+
+def test_the_deepseek_forcing_grammar_takes_its_calls_in_its_own_tokens_and_no_other_syntax(markup_model):
+    """DeepSeek's markup spells ``▁`` (U+2581), which an SPM vocabulary's pieces cannot write (its
+    ``▁`` is a space), so the synthetic model cannot generate it piece by piece as a BPE one
+    can; the grammar is checked by its matcher instead: DeepSeek's calls, in the vocabulary's
+    tokens, are taken whole and complete it; a Hermes call is refused at its first token."""
+    e = markup_model
+    plan = ToolPlan.make("", True, [WEATHER, TIME], "required", None)
+    plan.format = ToolFormat.DEEPSEEK_V31
+    from engine.text.tool_calls import DS_CALL, DS_CALL_END, DS_CALLS, DS_CALLS_END, DS_SEP
+
+    calls = (f'{DS_CALLS}{DS_CALL}get_weather{DS_SEP}{{"city": "Oslo", "days": 2}}{DS_CALL_END}'
+             f'{DS_CALL}get_time{DS_SEP}{{"zone": "CET"}}{DS_CALL_END}{DS_CALLS_END}')
+    toks = e.tokenizer.encode(calls, add_special=False)
+    assert len(toks) < len(calls) // 2  # its markup as one token each
+    g = e.grammars.compile(plan.grammar())
+    for t in toks:
+        assert g.allows(t), e.tokenizer.decode([t])
+        g.accept(t)
+    assert g.accepting
+    assert [n for n, _ in [(c["function"]["name"], 0) for c in parse_tool_calls(calls, NAMES)[1]]] == NAMES
+    hermes = e.grammars.compile(plan.grammar())
+    assert not hermes.allows(e.tokenizer.encode("<tool_call>", add_special=False)[0])
 
 
 def test_generic_templates_get_the_tools_in_a_system_message():

@@ -61,11 +61,11 @@ def arg_types(tools: list[dict[str, Any]]) -> ArgTypes:
     for t in tools:
         fn = t.get("function") or {}
         props = (fn.get("parameters") or {}).get("properties") or {}
-        out[fn.get("name", "")] = {k: _schema_types(v) for k, v in props.items() if isinstance(k, str)}
+        out[fn.get("name", "")] = {k: schema_types(v) for k, v in props.items() if isinstance(k, str)}
     return out
 
 
-def _schema_types(schema: Any) -> set[str]:
+def schema_types(schema: Any) -> set[str]:
     if not isinstance(schema, dict):
         return set()
     t = schema.get("type")
@@ -78,7 +78,7 @@ def _schema_types(schema: Any) -> set[str]:
     out: set[str] = set()
     for key in ("anyOf", "oneOf"):
         for sub in schema.get(key) or []:
-            sub_types = _schema_types(sub)
+            sub_types = schema_types(sub)
             if not sub_types:
                 return set()
             out |= sub_types

@@ -22,7 +22,7 @@ A template that takes no tools (a llama.cpp built-in, or Jinja without ``tools``
 them in a system message instead, with the Hermes syntax to answer in (``generic``).
 
 ``tool_choice`` ``required`` or a named function is enforced with a grammar in the format's
-syntax, built from the tools' parameter schemas. The parser accepts every syntax above,
+own syntax, built from the tools' parameter schemas (``engine.text.forcing``). The parser accepts every syntax above,
 whatever the format (a model does not always answer in the one its template shows), and
 a bare JSON call only when it is the whole output and names one of the request's tools.
 """
@@ -36,7 +36,8 @@ from enum import StrEnum
 from typing import Any
 
 from engine.errors import RequestError
-from engine.text.grammar import GrammarSpec, bounded_schema, check_schema, json_options
+from engine.text.forcing import call_grammar
+from engine.text.grammar import GrammarSpec
 from engine.text.tool_calls import (
     DS_CALL,
     DS_CALL_END,
@@ -48,8 +49,6 @@ from engine.text.tool_calls import (
     KIMI_CALL_END,
     KIMI_CALLS,
 )
-
-MAX_CALLS = 8  # calls one forced answer may hold (parallel_tool_calls)
 
 
 class ToolFormat(StrEnum):
@@ -190,34 +189,11 @@ class ToolPlan:
         return [{"role": "system", "content": prompt}, *out]
 
     def grammar(self) -> GrammarSpec | None:
-        """For ``required`` or a named function: the grammar of the format's call syntax (Lark,
-        the arguments as JSON schemas inside it)."""
+        """For ``required`` or a named function: the grammar of a call in the format's own
+        syntax (``engine.text.forcing``)."""
         if self.mode != "required":
             return None
-        key = "parameters" if self.format is ToolFormat.LLAMA3 else "arguments"
-        calls = [_call_schema(t["function"], key) for t in self.offered()]
-        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        check_schema(schema, "tools")
-        many = self.parallel and self.forced_name is None
-
-        def more(sep: str, item: str) -> str:  # further calls; a model that loops stops at MAX_CALLS
-            return f" ({sep} {item}){{0,{MAX_CALLS - 1}}}" if many else ""
-
-        if self.format is ToolFormat.MISTRAL:
-            top = '"[TOOL_CALLS][" call' + more('"," " "?', "call") + ' "]"'
-        elif self.format is ToolFormat.LLAMA3:
-            top = "call" + more('"\\n"', "call")
-        else:
-            one = '"<tool_call>\\n" call "\\n</tool_call>"'
-            top = one + more('"\\n"', one)
-        body = json.dumps({**bounded_schema(schema), "x-guidance": json_options()})
-        return GrammarSpec("lark", f"start: {top}\ncall: %json {body}\n")
-
-
-def _call_schema(fn: dict[str, Any], key: str) -> dict[str, Any]:
-    params = fn.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": fn["name"]}, key: params},
-            "required": ["name", key], "additionalProperties": False}
+        return call_grammar(self.format, self.offered(), self.parallel and self.forced_name is None)
 
 
 def generic_system_prompt(tools: list[dict[str, Any]], parallel: bool) -> str:

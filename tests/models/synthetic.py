@@ -69,6 +69,8 @@ class ModelShape:
     fim: bool = False  # fill-in-the-middle tokens (prefix, suffix, middle, repo, file separator)
     n_expert: int = 0  # > 0: every feed-forward block is a mixture of this many experts of n_ff
     n_expert_used: int = 0  # experts per token
+    extra: tuple[str, ...] = ()  # more control tokens (a family's markup: one token each)
+    space_prefix: bool = True  # a space before a text, as Llama 2's SPM (False: as BPE vocabularies)
 
 
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|repo_name|>", "<|file_sep|>")
@@ -141,7 +143,9 @@ def finish(w: object, tmp: Path, out: Path) -> Path:
 
 def write_tokenizer(w: object, shape: ModelShape) -> None:
     """The vocabulary, its special tokens and the chat template, into a ``GGUFWriter``."""
-    tokens, scores, types = build_vocab(shape.n_vocab, shape.fim)
+    from gguf import TokenType
+
+    tokens, scores, types = build_vocab(shape.n_vocab, shape.fim, [(t, TokenType.CONTROL) for t in shape.extra])
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -152,6 +156,8 @@ def write_tokenizer(w: object, shape: ModelShape) -> None:
     w.add_eos_token_id(4)  # <|im_end|> ends a chat turn
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
+    if not shape.space_prefix:
+        w.add_add_space_prefix(False)
     if shape.fim:
         for key, text in zip(FIM_KEYS, FIM_TOKENS, strict=True):
             w.add_uint32(f"tokenizer.ggml.fim_{key}_token_id", tokens.index(text.encode()))
