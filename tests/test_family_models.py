@@ -198,3 +198,26 @@ def test_a_forced_call_is_written_in_the_familys_own_syntax_with_its_tokens(fami
         marks = [t for t in fam.control + fam.text if t in text]
         assert marks, text  # the family's markup, each as its one token
         assert {e.tokenizer.encode(t, add_special=False)[0] for t in marks} <= set(toks), (marks, text)
+
+
+def test_a_forced_call_through_the_chat_api_is_a_call_even_where_the_prompt_opened_thinking(family, make):
+    """The chat request's whole path (its template, its grammar, its answer's reading): a
+    reasoning model whose prompt opens its thinking (Qwen3.5's ``<think>``) closes it first, so
+    the call is read as a call, not as thinking; every family gives one call and no content."""
+    from deployments.api.openai import ChatCompletionRequest
+    from deployments.prompts import PromptMaker
+    from engine.text.answer import read_answer
+
+    arch, _ = family
+    e = make(n_parallel=1, n_ctx=2048)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "the weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}]
+    for seed in range(2):
+        req = ChatCompletionRequest.model_validate({
+            "messages": conversation(seed), "tools": tools, "tool_choice": "required", "parallel_tool_calls": False,
+            "temperature": 1.0, "seed": seed, "max_tokens": 200})
+        prep = req.prepare(PromptMaker.of_engine(e), f"r{seed}")
+        text = "".join(o.text for o in e.stream_request(e.accept(prep.request)))
+        reasoning, content, calls = read_answer(prep.reasoning, prep.tools, text)
+        assert [c["function"]["name"] for c in calls] == ["get_weather"], (arch, text)
+        assert content == "" and reasoning.strip() == "", (arch, text)

@@ -30,7 +30,7 @@ from deployments.api.generation import GenerationRequest, prompt_progress, timin
 from deployments.api.media import CHAT_MARKER, MediaBag
 from deployments.api.values import Prepared, ToolSettings
 from engine.text.answer import AnswerReader, preserved_tokens, read_answer
-from engine.text.reasoning import ReasoningPlan
+from engine.text.reasoning import ReasoningPlan, opened_thinking
 from engine.text.tool_calls import arg_types, tool_finish
 from engine.text.tools import ToolPlan, check_tools, chosen
 from engine.types import Output
@@ -160,7 +160,7 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, default_max_tokens: 
     prompt = tokenizer.apply_chat_template(plan.messages(req.template_messages()), tools=plan.template_tools(),
                                            kwargs=req.template_kwargs(), limit=limit)
     params = req.sampling(default_max_tokens, req.max_completion_tokens)
-    grammar = plan.grammar()
+    grammar = plan.grammar(after=opened_thinking(tokenizer.template.source or "", prompt))
     if grammar is not None:
         params = params.model_copy(update={"grammar": grammar})
     return prompt, params, plan

@@ -124,9 +124,20 @@ def _more(many: bool, sep: str, item: str) -> str:
     return f" ({sep} {item}){{0,{MAX_CALLS - 1}}}".replace("( ", "(") if many else ""
 
 
-def call_grammar(fmt: str, offered: list[dict[str, Any]], many: bool) -> GrammarSpec:
+def call_grammar(fmt: str, offered: list[dict[str, Any]], many: bool, after: str | None = None) -> GrammarSpec:
     """The grammar of a forced answer in ``fmt``: a call to one of ``offered`` (several with
-    ``many``, in the syntaxes that hold several)."""
+    ``many``, in the syntaxes that hold several); with ``after``, the thinking the prompt
+    opened is closed by that marker first (and blanks), as llama-server's forced grammar lets a
+    reasoning model close it, here not optionally: a call left inside the thinking would be
+    read as thinking."""
+    spec = _call_grammar(fmt, offered, many)
+    if not after:
+        return spec
+    top, rest = spec.text.split("\n", 1)
+    return GrammarSpec("lark", f"start: {lit(after)} /[ \\n]{{0,4}}/ {top.removeprefix('start: ')}\n{rest}")
+
+
+def _call_grammar(fmt: str, offered: list[dict[str, Any]], many: bool) -> GrammarSpec:
     if fmt not in (*XML_FORMATS, "deepseek-v3.1", "kimi-k2", "gpt-oss"):
         return GrammarSpec("lark", _whole_json_call(fmt, offered, many))
     g = _Rules()

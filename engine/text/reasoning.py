@@ -27,6 +27,13 @@ MARKERS = (
 FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
 
 
+def opened_thinking(template_source: str, prompt: str) -> str | None:
+    """The end marker of the thinking a prompt opens itself (its generation prompt ends with
+    its template's start marker), else None."""
+    pair = next(((s, e) for s, e in MARKERS if s in template_source), None)
+    return pair[1] if pair is not None and prompt.rstrip().endswith(pair[0]) else None
+
+
 @dataclass(frozen=True)
 class ReasoningPlan:
     """How one request's answer is split: its markers, and whether it starts inside them."""

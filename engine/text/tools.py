@@ -188,12 +188,13 @@ class ToolPlan:
             return [{**out[0], "content": out[0]["content"] + "\n\n" + prompt}, *out[1:]]
         return [{"role": "system", "content": prompt}, *out]
 
-    def grammar(self) -> GrammarSpec | None:
+    def grammar(self, after: str | None = None) -> GrammarSpec | None:
         """For ``required`` or a named function: the grammar of a call in the format's own
-        syntax (``engine.text.forcing``)."""
+        syntax (``engine.text.forcing``); ``after``: the marker that must close a thinking the
+        prompt opened first (the call is content, never inside the thinking)."""
         if self.mode != "required":
             return None
-        return call_grammar(self.format, self.offered(), self.parallel and self.forced_name is None)
+        return call_grammar(self.format, self.offered(), self.parallel and self.forced_name is None, after)
 
 
 def generic_system_prompt(tools: list[dict[str, Any]], parallel: bool) -> str:
