@@ -8,6 +8,11 @@ groups, its RPC stage) and llama-server ``--jinja`` with rpc-server, the same la
   model's text by a GBNF grammar that admits that text alone, so both servers generate the same
   answer, and the parsed message (``content``, ``reasoning_content``, each tool call's name and
   arguments as JSON, ``finish_reason``) compared field by field.
+- **forced calls**: ``tool_choice`` ``required`` (one call) and a named function, with tools
+  whose every value is an enum, greedy: each server forces the call with its own grammar of the
+  family's syntax, and the parsed messages (the calls' names and arguments as JSON) are
+  compared; the table counts the answers that are calls on each side (this service's must all
+  be; the vendored llama-server's grammar is lazy, so a model that opens no call writes text).
 
 For the Qwen-VL pairs (``tests/models/qwen_vl``: ``qwen2vl``, ``qwen3vl`` and their M-RoPE
 projectors, both servers given the ``--mmproj``):
@@ -142,6 +147,32 @@ def chat(client: httpx.Client, base: str, text: str, max_tokens: int) -> dict:
     return message(r.json())
 
 
+ENUM_TOOLS = [  # every value an enum: a forced call is bounded, whatever the weights
+    {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Zürich"]}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"]}}},
+    {"type": "function", "function": {"name": "search", "description": "search the web", "parameters": {
+        "type": "object", "properties": {"q": {"enum": ["sun", "rain"]}}, "required": ["q"]}}},
+]
+FORCED = [("forced call", {"tool_choice": "required", "parallel_tool_calls": False}),
+          ("forced by name", {"tool_choice": {"type": "function", "function": {"name": "search"}}})]
+
+
+def forced(client: httpx.Client, base: str, choice: dict) -> dict:
+    """A call forced by ``tool_choice``: each server's own grammar of the family's call syntax,
+    greedy, the parsed message."""
+    r = client.post(base + "/v1/chat/completions", json={
+        "messages": ASK, "tools": ENUM_TOOLS, "temperature": 0, "max_tokens": 200, **choice})
+    if r.status_code != 200:
+        return {"error": r.status_code, "body": r.text[:300]}
+    return message(r.json())
+
+
+def _called(m: dict) -> bool:
+    """A forced answer that is what ``tool_choice`` asked: calls, no text."""
+    return bool(m.get("tool_calls")) and not m.get("content") and m.get("finish_reason") == "tool_calls"
+
+
 def cut_alike(a: dict, b: dict) -> bool:
     """Two readings of one answer cut short: where a grammar forces text, this service takes
     fewer tokens for it than llama-server (the matcher admits the forced bytes' own
@@ -163,7 +194,7 @@ def greedy(client: httpx.Client, base: str, prompt: str) -> str:
 
 
 def compare(arch: str, ours: str, theirs: str) -> dict:
-    out: dict = {"arch": arch, "greedy": [], "answers": []}
+    out: dict = {"arch": arch, "greedy": [], "answers": [], "forced": []}
     with httpx.Client(timeout=120) as c:
         for p in GREEDY_PROMPTS:
             a, b = greedy(c, ours, p), greedy(c, theirs, p)
@@ -172,6 +203,9 @@ def compare(arch: str, ours: str, theirs: str) -> dict:
             a, b = chat(c, ours, text, n), chat(c, theirs, text, n)
             same = cut_alike(a, b) if name == "cut by max_tokens" else a == b
             out["answers"].append({"fixture": name, "equal": same, "ours": a, **({} if a == b else {"llama-server": b})})
+        for name, choice in FORCED:
+            a, b = forced(c, ours, choice), forced(c, theirs, choice)
+            out["forced"].append({"fixture": name, "equal": a == b, "ours": a, **({} if a == b else {"llama-server": b})})
     return out
 
 
@@ -239,14 +273,20 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(r)
     finally:
         stack.close()
-    print("\n| family | greedy equal | answers parsed equal | differing |\n|---|---|---|---|")
+    print("\n| family | greedy equal | answers parsed equal | forced: a call (ours vs llama-server) | differing |"
+          "\n|---|---|---|---|---|")
     bad = 0
     for r in results:
         g = sum(x["equal"] for x in r["greedy"])
         ans = sum(x["equal"] for x in r["answers"])
+        fc = r.get("forced", [])
+        ours_calls = sum(_called(x["ours"]) for x in fc)
+        ls_calls = sum(_called(x.get("llama-server", x["ours"])) for x in fc)
         diff = ", ".join(x["fixture"] for x in r["answers"] if not x["equal"]) or "-"
-        bad += (len(r["answers"]) - ans) + (len(r["greedy"]) - g)
-        print(f"| {r['arch']} | {g}/{len(r['greedy'])} | {ans}/{len(r['answers'])} | {diff} |")
+        # a forced answer that is no call is this service's failure; llama-server's is reported
+        bad += (len(r["answers"]) - ans) + (len(r["greedy"]) - g) + (len(fc) - ours_calls)
+        print(f"| {r['arch']} | {g}/{len(r['greedy'])} | {ans}/{len(r['answers'])} | "
+              f"{f'{ours_calls}/{len(fc)} vs {ls_calls}/{len(fc)}' if fc else '-'} | {diff} |")
     return 1 if bad else 0
 
 
