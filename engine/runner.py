@@ -26,6 +26,7 @@ from engine.cache.prefix import PrefixCache, sharing_on
 from engine.cache.prompt_cache import PromptCache
 from engine.config import EngineConfig
 from engine.errors import NativeError
+from engine.media import is_media
 from engine.native.batch import Batch
 from engine.native.context import Context
 from engine.native.model import Model
@@ -244,7 +245,7 @@ class Runner:
         shifts = [tuple(e) for e in json.loads(side.read_text())] if side.exists() else []
         self.prefix.load(s, tokens, shifts)
         if tokens and not shifts and self.ctx.seq_pos_max(s.seq_id) != len(tokens) - 1:
-            first = next((i for i, t in enumerate(tokens) if t < 0), len(tokens))
+            first = next((i for i, t in enumerate(tokens) if is_media(t)), len(tokens))
             self.prefix.keep(s, first)
         if self.mtp is not None:
             self.mtp.load(str(path), s, self.n_ctx_slot)

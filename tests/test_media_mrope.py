@@ -93,16 +93,20 @@ def mtmd_greedy(model: str, mmproj: str, prompt: str, images: tuple[bytes, ...],
         llama_cpp.llama_model_free(mdl)
 
 
-def ask(e, prompt: str, images: tuple[bytes, ...], rid: str = "r", **kw):
+def accepted(e, prompt: str, images: tuple[bytes, ...], rid: str = "r", **kw):
+    """The engine's request for ``prompt`` with ``images`` (their rows in it)."""
     er = PromptMaker.of_engine(e).make_request(prompt, kw.pop("params", GREEDY), rid, media=images,
                                                 marker=MEDIA_MARKER, **kw)
-    return e.complete(e.accept(er))
+    return e.accept(er)
+
+
+def ask(e, prompt: str, images: tuple[bytes, ...], rid: str = "r", **kw):
+    return e.complete(accepted(e, prompt, images, rid, **kw))
 
 
 def test_an_image_takes_fewer_positions_than_rows_and_answers_as_llama_cpp(vl, pair):
     e = vl(pipeline_groups=1, cache_prompt=False)
-    er = PromptMaker.of_engine(e).make_request(turn("what is it"), GREEDY, "r", media=(IMAGES[3],), marker=MEDIA_MARKER)
-    span = e.accept(er).media[0]
+    span = accepted(e, turn("what is it"), (IMAGES[3],)).media[0]
     nx, ny = image_grid(300, 200, SHAPES[Path(pair[0]).stem])
     assert (span.n, span.n_pos) == (nx * ny, max(nx, ny)) and span.sections.shape == (4, nx * ny)
     got = [ask(e, turn("what is it"), (img,), rid=f"a{k}") for k, img in enumerate(IMAGES)]
@@ -134,8 +138,7 @@ def test_a_conversation_about_an_image_reuses_its_kv_at_the_right_positions(vl, 
     a = ask(e, first, (IMAGES[3],), rid="t1")
     second = first + a.text + "<|im_end|>\n" + turn("and the colour?", image=False)
     b = ask(e, second, (IMAGES[3],), rid="t2")
-    span = e.accept(PromptMaker.of_engine(e).make_request(first, GREEDY, "x", media=(IMAGES[3],),
-                                                          marker=MEDIA_MARKER)).media[0]
+    span = accepted(e, first, (IMAGES[3],), "x").media[0]
     assert b.final.cached_tokens > span.start + span.n  # the image's rows among them
     assert b.tokens == mtmd_greedy(*pair, second, (IMAGES[3],))
     c = ask(e, first, (IMAGES[2],), rid="t3")  # same text before, another image
@@ -163,8 +166,7 @@ def test_a_slot_file_keeps_where_its_image_sits(vl, pair, tmp_path):
     assert e.slot_action(0, "restore", "conv.bin")["n_restored"] > 0
     second = first + a.text + "<|im_end|>\n" + turn("more", image=False)
     b = ask(e, second, (IMAGES[1],), rid="f2")
-    span = e.accept(PromptMaker.of_engine(e).make_request(first, GREEDY, "x", media=(IMAGES[1],),
-                                                          marker=MEDIA_MARKER)).media[0]
+    span = accepted(e, first, (IMAGES[1],), "x").media[0]
     assert b.final.cached_tokens > span.start + span.n  # the image's rows among them
     assert b.tokens == mtmd_greedy(*pair, second, (IMAGES[1],))
 

@@ -100,28 +100,31 @@ class _Rules:
         return f"{lit('<|channel|>commentary to=functions.' + fn['name'] + ' <|constrain|>json<|message|>')} {args}"
 
 
-def _whole_json_call(fmt: str, offered: list[dict[str, Any]], many: bool) -> str:
-    """Hermes', Mistral's and Llama 3's calls: one JSON object a call, name and arguments."""
+def _whole_json_call(fmt: str, offered: list[dict[str, Any]], many: bool, g: _Rules) -> str:
+    """Hermes', Mistral's and Llama 3's calls: one JSON object a call, name and arguments; the
+    top rule's body (``g`` takes the call's rule)."""
     key = "parameters" if fmt == "llama3" else "arguments"
     calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                key: t["function"].get("parameters") or {"type": "object", "properties": {}}},
               "required": ["name", key], "additionalProperties": False} for t in offered]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     check_schema(schema, "tools")
+    call = g.json(schema)
     if fmt == "mistral":
-        top = '"[TOOL_CALLS][" call' + _more(many, '"," " "?', "call") + ' "]"'
-    elif fmt == "llama3":
-        top = "call" + _more(many, '"\\n"', "call")
-    else:
-        one = '"<tool_call>\\n" call "\\n</tool_call>"'
-        top = one + _more(many, '"\\n"', one)
-    return f"start: {top}\ncall: {_json(schema)}\n"
+        comma = '"," " "?'
+        return f'"[TOOL_CALLS][" {call}{_more(many, comma, call)} "]"'
+    if fmt == "llama3":
+        return call + _more(many, lit("\n"), call)
+    one = f"{lit('<tool_call>' + chr(10))} {call} {lit(chr(10) + '</tool_call>')}"
+    return one + _more(many, lit("\n"), one)
 
 
 def _more(many: bool, sep: str, item: str) -> str:
-    """Further calls after the first (``sep`` between: a literal, or nothing); a model that
-    loops stops at ``MAX_CALLS``."""
-    return f" ({sep} {item}){{0,{MAX_CALLS - 1}}}".replace("( ", "(") if many else ""
+    """Further calls after the first (``sep`` between them, if any); a model that loops stops
+    at ``MAX_CALLS``."""
+    if not many:
+        return ""
+    return f" ({sep + ' ' if sep else ''}{item}){{0,{MAX_CALLS - 1}}}"
 
 
 def call_grammar(fmt: str, offered: list[dict[str, Any]], many: bool, after: str | None = None) -> GrammarSpec:
@@ -130,28 +133,28 @@ def call_grammar(fmt: str, offered: list[dict[str, Any]], many: bool, after: str
     opened is closed by that marker first (and blanks), as llama-server's forced grammar lets a
     reasoning model close it, here not optionally: a call left inside the thinking would be
     read as thinking."""
-    spec = _call_grammar(fmt, offered, many)
-    if not after:
-        return spec
-    top, rest = spec.text.split("\n", 1)
-    return GrammarSpec("lark", f"start: {lit(after)} /[ \\n]{{0,4}}/ {top.removeprefix('start: ')}\n{rest}")
-
-
-def _call_grammar(fmt: str, offered: list[dict[str, Any]], many: bool) -> GrammarSpec:
-    if fmt not in (*XML_FORMATS, "deepseek-v3.1", "kimi-k2", "gpt-oss"):
-        return GrammarSpec("lark", _whole_json_call(fmt, offered, many))
     g = _Rules()
+    if fmt in (*XML_FORMATS, "deepseek-v3.1", "kimi-k2", "gpt-oss"):
+        top = _call_sections(fmt, offered, many, g)
+    else:
+        top = _whole_json_call(fmt, offered, many, g)
+    if after:
+        top = f"{lit(after)} /[ \\n]{{0,4}}/ {top}"
+    return GrammarSpec("lark", "\n".join([f"start: {top}", *g.rules]) + "\n")
+
+
+def _call_sections(fmt: str, offered: list[dict[str, Any]], many: bool, g: _Rules) -> str:
+    """The calls of the XML syntaxes, DeepSeek's and Kimi's sections and harmony's: the top
+    rule's body (``g`` takes the rest)."""
     calls = []
     for t in offered:
         check_schema(t["function"].get("parameters") or {}, "tools")
         calls.append(g.add(g.xml_call(fmt, t["function"]) if fmt in XML_FORMATS else g.json_call(fmt, t["function"])))
     call = g.add(" | ".join(calls))
     if fmt == "deepseek-v3.1":
-        top = f"{lit(DS_CALLS)} {call}{_more(many, '', call)} {lit(DS_CALLS_END)}"
-    elif fmt == "kimi-k2":
-        top = f"{lit(KIMI_CALLS)} {call}{_more(many, '', call)} {lit('<|tool_calls_section_end|>')}"
-    elif fmt == "gpt-oss":
-        top = call
-    else:
-        top = call + _more(many, lit("\n"), call)
-    return GrammarSpec("lark", "\n".join([f"start: {top}", *g.rules]) + "\n")
+        return f"{lit(DS_CALLS)} {call}{_more(many, '', call)} {lit(DS_CALLS_END)}"
+    if fmt == "kimi-k2":
+        return f"{lit(KIMI_CALLS)} {call}{_more(many, '', call)} {lit('<|tool_calls_section_end|>')}"
+    if fmt == "gpt-oss":
+        return call
+    return call + _more(many, lit("\n"), call)

@@ -272,6 +272,13 @@ def write_tokenizer(w: object, fam: Family, n_vocab: int) -> None:
     from gguf import TokenType
 
     extra = [(t, TokenType.CONTROL) for t in fam.control] + [(t, TokenType.USER_DEFINED) for t in fam.text]
+    write_vocab(w, n_vocab, extra, fam.eos, template(fam.arch))
+
+
+def write_vocab(w: object, n_vocab: int, extra: list[tuple[str, int]], eos: str, chat_template: str,
+                pad: str | None = None) -> None:
+    """The synthetic vocabulary with ``extra`` (text, token type) tokens, as these families'
+    tokenizers take it (no BOS, no space before a text), ``eos`` ending a turn, and the template."""
     tokens, scores, types = build_vocab(n_vocab, extra=extra)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
@@ -280,11 +287,13 @@ def write_tokenizer(w: object, fam: Family, n_vocab: int) -> None:
     w.add_token_types(types)
     w.add_unk_token_id(0)
     w.add_bos_token_id(1)
-    w.add_eos_token_id(tokens.index(fam.eos.encode()))
+    w.add_eos_token_id(tokens.index(eos.encode()))
+    if pad is not None:
+        w.add_pad_token_id(tokens.index(pad.encode()))
     w.add_add_bos_token(False)  # these families' templates write their own preamble
     w.add_add_eos_token(False)
     w.add_add_space_prefix(False)  # as these families' BPE tokenizers: no space before a text
-    w.add_chat_template(template(fam.arch))
+    w.add_chat_template(chat_template)
 
 
 def write_family(path: str | os.PathLike[str], arch: str, shape: FamilyShape = FamilyShape()) -> Path:

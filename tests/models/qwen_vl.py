@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.models.families import FamilyShape, _common_hparams, _dense_ffn, _Tensors
-from tests.models.synthetic import build_vocab, finish
+from tests.models.families import FamilyShape, _common_hparams, _dense_ffn, _Tensors, write_vocab
+from tests.models.synthetic import finish
 
 # Qwen2-VL-Instruct's (tokenizer_config.json). llama-server puts its media marker in a text part
 # where the image was; mtmd then adds <|vision_start|> and <|vision_end|> itself.
@@ -131,20 +131,8 @@ def image_grid(width: int, height: int, shape: QwenVLShape = SHAPES["qwen2vl"]) 
 def _write_tokenizer(w: object, n_vocab: int) -> None:
     from gguf import TokenType
 
-    tokens, scores, types = build_vocab(n_vocab, extra=[(t, TokenType.CONTROL) for t in CONTROL])
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(tokens.index(b"<|im_end|>"))
-    w.add_pad_token_id(tokens.index(b"<|endoftext|>"))
-    w.add_add_bos_token(False)  # as Qwen's: the template writes the whole prompt
-    w.add_add_eos_token(False)
-    w.add_add_space_prefix(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    write_vocab(w, n_vocab, [(t, TokenType.CONTROL) for t in CONTROL], "<|im_end|>", CHAT_TEMPLATE,
+                pad="<|endoftext|>")
 
 
 def _out(path: str | os.PathLike[str]) -> tuple[Path, Path]:
