@@ -11,6 +11,7 @@ import json
 import pytest
 
 from engine.text.answer import AnswerReader, ToolReading, preserved_tokens, read_answer
+from engine.text.call_args import CallPart, calls_of
 from engine.text.harmony import parse_harmony
 from engine.text.reasoning import ReasoningPlan
 from engine.text.tool_calls import arg_types
@@ -53,20 +54,39 @@ def reading(fmt: ToolFormat, parallel: bool = True) -> ToolReading:
     return ToolReading(NAMES, parallel, fmt, arg_types(TOOLS))
 
 
-def both_ways(plan: ReasoningPlan | None, tools: ToolReading | None, text: str) -> tuple[str, str, list[dict]]:
-    """The whole answer's reading, checked against the stream's (a character a step)."""
-    whole = read_answer(plan, tools, text)
+def streamed(plan: ReasoningPlan | None, tools: ToolReading | None, text: str,
+             step: int = 1) -> tuple[str, str, list[CallPart]]:
+    """The answer read as a stream, ``step`` characters at a time: its reasoning, its content
+    and its calls' parts (each call checked to begin with its id and name and end once)."""
     r = AnswerReader(plan, tools)
-    parts, early = [], []
-    for ch in text:
-        parts.append(r.feed(ch))
-        early += r.ready_calls()  # the calls closed so far stream before the answer ends
-    more, rest, calls = r.finish()
-    calls = early + calls
-    streamed = ("".join(p[0] for p in parts) + more, "".join(p[1] for p in parts) + rest)
-    assert streamed[0] == whole[0]
-    assert streamed[1].strip() == whole[1].strip()
-    assert [c["function"] for c in calls] == [c["function"] for c in whole[2]]
+    texts, parts = [], []
+    for i in range(0, len(text), step):
+        texts.append(r.feed(text[i:i + step]))
+        parts += r.call_parts()  # the calls stream as they are written, before the answer ends
+    more, rest, last = r.finish()
+    parts += last
+    for i in {p.index for p in parts}:
+        mine = [p for p in parts if p.index == i]
+        assert mine[0].first and mine[-1].last and sum(p.first for p in mine) == sum(p.last for p in mine) == 1
+    return "".join(t[0] for t in texts) + more, "".join(t[1] for t in texts) + rest, parts
+
+
+def both_ways(plan: ReasoningPlan | None, tools: ToolReading | None, text: str,
+              cut: bool = False) -> tuple[str, str, list[dict]]:
+    """The whole answer's reading, checked against the stream's (a character a step, and all
+    at once). ``cut``: the answer ends inside a call, which the stream had begun and ends as it
+    went out, and the whole reading takes for none."""
+    whole = read_answer(plan, tools, text)
+    for step in (1, 7, len(text) or 1):
+        thinking, content, parts = streamed(plan, tools, text, step)
+        calls = calls_of(parts)
+        assert thinking == whole[0]
+        assert content.strip() == whole[1].strip()
+        if cut:
+            *calls, broken = calls
+            with pytest.raises(ValueError):
+                json.loads(broken["function"]["arguments"])
+        assert [c["function"] for c in calls] == [c["function"] for c in whole[2]]
     return whole
 
 
@@ -114,7 +134,7 @@ def test_harmony_cut_by_max_tokens() -> None:
     cut_thinking = "<|channel|>analysis<|message|>Thinking about the"
     assert both_ways(HARMONY, None, cut_thinking) == ("Thinking about the", "", [])
     cut_call = '<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"q": "una'
-    assert both_ways(HARMONY, reading(ToolFormat.HARMONY), cut_call) == ("", "", [])
+    assert both_ways(HARMONY, reading(ToolFormat.HARMONY), cut_call, cut=True) == ("", "", [])
     cut_header = "<|channel|>analysis<|message|>ok<|end|><|start|>assistant<|channel|>fin"
     assert both_ways(HARMONY, None, cut_header) == ("ok", "", [])
 
@@ -219,13 +239,13 @@ def test_hermes_calls_and_plain_text() -> None:
 
 
 def calls_streamed_before_the_end(tools: ToolReading, plan: ReasoningPlan | None, text: str) -> list:
-    """The calls ready once ``text`` has been fed a character at a time (the answer goes on)."""
+    """The calls ended once ``text`` has been fed a character at a time (the answer goes on)."""
     r = AnswerReader(plan, tools)
-    ready: list = []
+    parts: list[CallPart] = []
     for ch in text:
         r.feed(ch)
-        ready += r.ready_calls()
-    return [c["function"]["name"] for c in ready]
+        parts += r.call_parts()
+    return [p.name for p in parts if p.last]
 
 
 @pytest.mark.parametrize("fmt", [ToolFormat.HERMES, ToolFormat.QWEN3_CODER, ToolFormat.DEEPSEEK_V31,
@@ -255,7 +275,7 @@ def test_of_parallel_calls_the_first_streams_as_soon_as_it_is_closed(fmt: ToolFo
     r = AnswerReader(plan, reading(fmt, parallel=False))
     for ch in text:
         r.feed(ch)
-        r.ready_calls()
+        r.call_parts()
     assert r.finish()[2] == []
 
 
@@ -283,8 +303,10 @@ def test_a_harmony_chat_answer_whole_and_streamed_through_the_openai_shapes() ->
     deltas = [c["delta"] for c in chunks]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "Need weather."
     assert not "".join(d.get("content") or "" for d in deltas)  # no markup ever reaches the content
-    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
-    assert [args(tc) for tc in calls] == [{"city": "Oslo"}] and chunks[-1]["finish_reason"] == "tool_calls"
+    pieces = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert len(pieces) == 2 and "id" in pieces[0] and "id" not in pieces[1]  # the arguments in two pieces
+    assert json.loads("".join(tc["function"]["arguments"] for tc in pieces)) == {"city": "Oslo"}
+    assert chunks[-1]["finish_reason"] == "tool_calls"
 
 
 def test_anthropic_and_responses_answers_of_harmony_carry_no_markup() -> None:

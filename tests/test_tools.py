@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from deployments.api.openai import ChatCompletionRequest
 from engine import SamplingParams
+from engine.text.call_args import calls_of as joined_calls
 from engine.text.harmony import parse_harmony
 from engine.text.tool_calls import ToolCallStream, arg_types, parse_tool_calls
 from engine.text.tools import FORMAT_TOKENS, ToolFormat, ToolPlan, detect_format
@@ -80,8 +81,8 @@ def test_the_stream_holds_only_what_can_be_a_call():
     out = [s.feed(p) for p in ["The ", "weather: <to", "ol_call>\n{\"name\": \"get_time\", ",
                                 "\"arguments\": {\"zone\": \"UTC\"}}\n</tool_call>"]]
     assert "".join(out) == "The weather: " and out[1] == "weather: "
-    content, calls = s.finish()
-    assert content == "" and [c["function"]["name"] for c in calls] == ["get_time"]
+    content, parts = s.finish()
+    assert content == "" and [c["function"]["name"] for c in joined_calls(parts)] == ["get_time"]
     # a held tail that turns out not to be a marker goes out with what follows
     s = ToolCallStream(NAMES)
     assert s.feed("a <to") == "a " and s.feed("olbox> b") == "<toolbox> b" and s.finish() == ("", [])
@@ -94,7 +95,7 @@ def test_the_stream_holds_only_what_can_be_a_call():
 def test_parallel_tool_calls_false_keeps_one_call():
     s = ToolCallStream(NAMES, parallel=False)
     s.feed('<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", "arguments": {}}</tool_call>')
-    assert [c["function"]["name"] for c in s.finish()[1]] == ["get_time"]
+    assert [c["function"]["name"] for c in joined_calls(s.finish()[1])] == ["get_time"]
 
 
 MARKUP = tuple(dict.fromkeys(t for ts in FORMAT_TOKENS.values() for t in ts))

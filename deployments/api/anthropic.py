@@ -17,6 +17,7 @@ from pydantic import Field, PrivateAttr, model_validator
 from deployments.api.base import Answer, ApiModel, Call, Generate, sse
 from deployments.api.openai import ChatCompletionRequest, chat_prompt
 from engine.text.answer import AnswerReader, harmony_only, read_answer
+from engine.text.call_args import CallPart
 from engine.types import Output
 
 if TYPE_CHECKING:
@@ -269,7 +270,7 @@ class MessagesShaper:
         if not text:
             return b""
         out = self._text(self._answer.feed(text)[1])
-        return out + self._tool_uses(self._answer.ready_calls())  # each as soon as it is closed
+        return out + self._tool_uses(self._answer.call_parts())  # each as it is written
 
     def _close_text(self) -> bytes:
         if not self._text_open:
@@ -278,23 +279,28 @@ class MessagesShaper:
         self._index += 1
         return self.event("content_block_stop", index=self._index - 1)
 
-    def _tool_uses(self, calls: list[dict[str, Any]]) -> bytes:
-        out = self._close_text() if calls else b""
-        for c in calls:
-            block = _tool_use(c)
-            out += self.event("content_block_start", index=self._index, content_block={**block, "input": {}})
-            out += self.event("content_block_delta", index=self._index,
-                              delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
-            out += self.event("content_block_stop", index=self._index)
-            self._index += 1
-        self._n_calls += len(calls)
+    def _tool_uses(self, parts: list[CallPart]) -> bytes:
+        """Calls' parts as ``tool_use`` blocks: opened at a call's first part, its arguments as
+        ``input_json_delta``s, closed at its last."""
+        out = self._close_text() if parts else b""
+        for p in parts:
+            if p.first:
+                block = {"type": "tool_use", "id": "toolu_" + p.id.removeprefix("call_"), "name": p.name, "input": {}}
+                out += self.event("content_block_start", index=self._index, content_block=block)
+                self._n_calls += 1
+            if p.arguments:
+                out += self.event("content_block_delta", index=self._index,
+                                  delta={"type": "input_json_delta", "partial_json": p.arguments})
+            if p.last:
+                out += self.event("content_block_stop", index=self._index)
+                self._index += 1
         return out
 
     def closing(self) -> bytes:
         final = self.last
         assert final is not None
-        _, rest, calls = self._answer.finish()
-        out = self._tool_uses(calls) + self._text(rest) if self._n_calls else self._text(rest) + self._tool_uses(calls)
+        _, rest, parts = self._answer.finish()
+        out = self._tool_uses(parts) + self._text(rest) if self._n_calls else self._text(rest) + self._tool_uses(parts)
         out += self._close_text()
         reason, seq = self._stop(final, bool(self._n_calls))
         return out + self.event("message_delta", delta={"stop_reason": reason, "stop_sequence": seq},

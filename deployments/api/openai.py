@@ -30,6 +30,7 @@ from deployments.api.generation import GenerationRequest, prompt_progress, timin
 from deployments.api.media import CHAT_MARKER, MediaBag
 from deployments.api.values import Prepared, ToolSettings
 from engine.text.answer import AnswerReader, preserved_tokens, read_answer
+from engine.text.call_args import CallPart
 from engine.text.reasoning import ReasoningPlan, opened_thinking
 from engine.text.tool_calls import arg_types, tool_finish
 from engine.text.tools import ToolPlan, check_tools, chosen
@@ -226,11 +227,11 @@ class SseEvents:
 
     def chunk(self, text: str | None, finish: str | None, first: bool = False, logprobs: dict | None = None,
               tool_calls: list[dict] | None = None, index: int = 0, final: Output | None = None,
-              reasoning: str | None = None, usage: dict | None = None, first_call: int = 0) -> bytes:
+              reasoning: str | None = None, usage: dict | None = None) -> bytes:
         """One chunk; ``final``: the choice's last output, whose llama-server ``timings`` it carries;
         ``reasoning``: thinking text (chat: ``delta.reasoning_content``); ``usage``: the request's
         usage, on the chunk that ends its last choice when no usage chunk was asked for;
-        ``first_call``: the choice's index of the first of ``tool_calls``."""
+        ``tool_calls``: OpenAI's tool-call deltas (``call_deltas``)."""
         if text and finish is None and not first and logprobs is None and tool_calls is None and index == 0 \
                 and not reasoning:
             return self._prefix + dumps(text).encode() + self._suffix  # the per-token case
@@ -243,7 +244,7 @@ class SseEvents:
             if text:
                 delta["content"] = text
             if tool_calls:
-                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls, first_call)]
+                delta["tool_calls"] = tool_calls
             choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
             choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
@@ -281,7 +282,7 @@ class Choice:
         self.tools = tools
         self._shaper = LogprobsShaper(kind) if want_logprobs else None
         self._answer = AnswerReader(self.reasoning, tools) if kind == "chat" else None
-        self.n_calls = 0  # tool calls streamed so far (each as soon as it is closed)
+        self.n_calls = 0  # tool calls begun in the stream so far
 
     @property
     def finished(self) -> bool:
@@ -314,44 +315,51 @@ class Choice:
 
     def events(self, ev: SseEvents, outs: list[Output], usage: dict | None = None) -> bytes:
         """The SSE chunks for outputs that arrived for this choice (not for a failed end: the
-        caller sends the error); ``usage`` goes on its closing chunk."""
+        caller sends the error); ``usage`` goes on its closing chunk. A call streams as it is
+        written: its id and name, then its arguments a piece at a time, as OpenAI streams them."""
         self.last = outs[-1]
         text = "".join(o.text for o in outs)
-        thinking, calls, ready = "", None, []
+        thinking, parts = "", []
+        ending = self.last.finish_reason is not None and not self.last.failed
         if self._answer is not None:
             thinking, text = self._answer.feed(text)
-            ready = self._answer.ready_calls()
-            if self.last.finish_reason is not None and not self.last.failed:
-                more, rest, calls = self._answer.finish()
-                thinking, text = thinking + more, text + rest
+            parts = self._answer.call_parts()
+            if ending:
+                more, rest, last_parts = self._answer.finish()
+                thinking, text, parts = thinking + more, text + rest, parts + last_parts
         lp = None
         if self._shaper is not None:
             entries = [e for o in outs if o.logprobs for e in o.logprobs]
             lp = self._shaper.shape(entries) if entries else None
-        finish = self.last.finish_reason
-        head = ev.chunk(None, None, index=self.index, reasoning=thinking) if thinking else b""
-        if ready:  # the text before a call goes out before it
-            head += (ev.chunk(text, None, logprobs=lp, index=self.index) if text or lp else b"") \
-                + ev.chunk(None, None, tool_calls=ready, index=self.index, first_call=self.n_calls)
-            self.n_calls += len(ready)
+        out = ev.chunk(None, None, index=self.index, reasoning=thinking) if thinking else b""
+        if parts and not self.n_calls and (text or lp):  # the text before the first call goes out before it
+            out += ev.chunk(text, None, logprobs=lp, index=self.index)
             text, lp = "", None
-        if finish is None or self.last.failed:
-            return head + (ev.chunk(text, None, logprobs=lp, index=self.index) if text or lp else b"")
-        return head + self._closing(ev, text, lp, finish, usage, calls)
-
-    def _closing(self, ev: SseEvents, text: str, lp: dict | None, finish: Any, usage: dict | None,
-                 calls: list[dict[str, Any]] | None) -> bytes:
-        finish = tool_finish(finish) if calls or self.n_calls else finish
-        last = self.last
-        if calls:
-            first, self.n_calls = self.n_calls, self.n_calls + len(calls)
-            return (ev.chunk(text, None, logprobs=lp, index=self.index) if text or lp else b"") \
-                + ev.chunk(None, None, tool_calls=calls, index=self.index, first_call=first) \
-                + ev.chunk(None, finish, index=self.index, final=last, usage=usage)
+        if parts:
+            self.n_calls = max(self.n_calls, 1 + max(p.index for p in parts))
+            out += ev.chunk(None, None, tool_calls=call_deltas(parts), index=self.index)
+        if not ending:
+            return out + (ev.chunk(text, None, logprobs=lp, index=self.index) if text or lp else b"")
+        finish = tool_finish(self.last.finish_reason) if self.n_calls else self.last.finish_reason
         if self.kind == "chat" and (text or lp):
-            return ev.chunk(text, None, logprobs=lp, index=self.index) + ev.chunk(None, finish, index=self.index,
-                                                                                 final=last, usage=usage)
-        return ev.chunk(text, finish, logprobs=lp, index=self.index, final=last, usage=usage)
+            return out + ev.chunk(text, None, logprobs=lp, index=self.index) + ev.chunk(
+                None, finish, index=self.index, final=self.last, usage=usage)
+        return out + ev.chunk(text, finish, logprobs=lp, index=self.index, final=self.last, usage=usage)
+
+
+def call_deltas(parts: list[CallPart]) -> list[dict[str, Any]]:
+    """OpenAI's ``delta.tool_calls`` for calls' parts: a call's first carries its id, type and name,
+    the others only its arguments (one entry per call and chunk, its parts joined)."""
+    out: list[dict[str, Any]] = []
+    for p in parts:
+        if out and out[-1]["index"] == p.index:
+            out[-1]["function"]["arguments"] += p.arguments
+        elif p.first:
+            out.append({"index": p.index, "id": p.id, "type": "function",
+                        "function": {"name": p.name, "arguments": p.arguments}})
+        else:
+            out.append({"index": p.index, "function": {"arguments": p.arguments}})
+    return [d for d in out if "id" in d or d["function"]["arguments"]]
 
 
 class ChoicesShaper:

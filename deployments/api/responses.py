@@ -15,6 +15,7 @@ from deployments.api.base import Answer, ApiModel, Generate, now, sse
 from deployments.api.generation import sampling_field
 from deployments.api.openai import ChatCompletionRequest
 from engine.text.answer import AnswerReader, harmony_only, read_answer
+from engine.text.call_args import CallPart
 from engine.types import Output
 
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -280,10 +281,10 @@ class ResponsesShaper:
         text = "".join(o.text for o in batch)
         text = self._stream.feed(text)[1]
         out = self._text(text) if text else b""
-        ready = self._stream.ready_calls()  # each call streams as soon as it is closed
-        if ready:
+        parts = self._stream.call_parts()  # each call streams as it is written
+        if parts:
             out += self._close_message()
-            out += self._calls(ready)
+            out += self._calls(parts)
         return out
 
     def _close_message(self, item_id: str | None = None, parts: list[str] | None = None) -> bytes:
@@ -299,19 +300,27 @@ class ResponsesShaper:
         self._index += 1
         return out
 
-    def _calls(self, calls: list[dict[str, Any]]) -> bytes:
+    def _calls(self, parts: list[CallPart]) -> bytes:
+        """Calls' parts as ``function_call`` items: added at a call's first part, its arguments as
+        deltas, done at its last."""
         out = b""
-        for c in calls:
-            self.calls.append(c)
+        for p in parts:
+            if p.first:
+                self.calls.append({"id": p.id, "type": "function", "function": {"name": p.name, "arguments": ""}})
+                out += self.event("response.output_item.added", output_index=self._index,
+                                  item=self._call(len(self.calls) - 1, "in_progress"))
             i = len(self.calls) - 1
-            done = self._call(i, "completed")
-            out += (self.event("response.output_item.added", output_index=self._index, item=self._call(i, "in_progress"))
-                    + self.event("response.function_call_arguments.delta", item_id=done["id"], output_index=self._index,
-                                 delta=done["arguments"])
-                    + self.event("response.function_call_arguments.done", item_id=done["id"], output_index=self._index,
-                                 arguments=done["arguments"], name=done["name"])
-                    + self.event("response.output_item.done", output_index=self._index, item=done))
-            self._index += 1
+            item_id = f"fc_{self.key}_{i}"
+            if p.arguments:
+                self.calls[i]["function"]["arguments"] += p.arguments
+                out += self.event("response.function_call_arguments.delta", item_id=item_id,
+                                  output_index=self._index, delta=p.arguments)
+            if p.last:
+                done = self._call(i, "completed")
+                out += (self.event("response.function_call_arguments.done", item_id=item_id, output_index=self._index,
+                                   arguments=done["arguments"], name=done["name"])
+                        + self.event("response.output_item.done", output_index=self._index, item=done))
+                self._index += 1
         return out
 
     def closing(self) -> bytes:
@@ -320,7 +329,7 @@ class ResponsesShaper:
         later = rest if self.calls else ""  # after calls that streamed: a message of its own, last
         if rest and not later:
             out += self._text(rest)
-        if not self._open and not self.calls and not more:
+        if not self._open and not self.calls and not more:  # ``more``: the calls' last parts
             out += self._text("")  # a plain answer always has its message, empty or not
         out += self._close_message() + self._calls(more)
         if later:  # text after calls that already streamed: a message item of its own, after them

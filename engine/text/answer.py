@@ -9,12 +9,13 @@ parser of the request's tools (``engine.text.tool_calls``), which holds the text
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
-from typing import Any
 
+from engine.text.call_args import CallPart, JsonArgs, calls_of, whole_call
 from engine.text.harmony import PRESERVED, HarmonyParser
 from engine.text.reasoning import ReasoningPlan, ReasoningSplitter
-from engine.text.tool_calls import ArgTypes, ToolCallStream, limit_calls, new_call
+from engine.text.tool_calls import ArgTypes, ToolCallStream, new_call
 from engine.text.tools import FORMAT_TOKENS, ToolFormat
 
 
@@ -42,15 +43,24 @@ def preserved_tokens(plan: ReasoningPlan | None, tools: ToolReading | None) -> t
 
 class AnswerReader:
     """``reasoning``: None leaves thinking markers in the content (but a harmony answer's channels
-    are always read: its markup is never content)."""
+    are always read: its markup is never content).
+
+    Its calls go out as ``CallPart``s (``engine.text.call_args``): a call's id and name as soon as
+    its head is read, its arguments as they are written, its end once it is closed; the parts of
+    each call, joined, are the call the whole answer's reading gives. A harmony call is followed
+    here, any other by the tool-call stream; each call's index is the answer's, in the order the
+    calls began."""
 
     def __init__(self, reasoning: ReasoningPlan | None, tools: ToolReading | None) -> None:
         self.harmony = HarmonyParser(raw_reasoning=reasoning.legacy) if reasoning and reasoning.harmony else None
         self.thinking = ReasoningSplitter(reasoning) if reasoning and not reasoning.harmony else None
         self.tools = tools
         self.calls = tools.stream() if tools is not None else None
-        self.n_harmony_calls = 0  # harmony calls given out by ``ready_calls``
-        self.n_given = 0  # calls given out by ``ready_calls``, of every kind
+        self.index: dict[tuple[str, int], int] = {}  # (harmony's message or the stream's index) -> the answer's
+        self.h_live: tuple[int, str, str, JsonArgs] | None = None  # the harmony call followed: message, id, name
+        self.h_done: set[int] = set()  # the harmony calls' messages gone out
+        self.h_sent = ""  # the followed harmony call's arguments so far
+        self.h_cut = False  # a followed harmony call read as none: no more calls
 
     def feed(self, text: str) -> tuple[str, str]:
         """``(reasoning, content)`` that can go out now."""
@@ -63,32 +73,24 @@ class AnswerReader:
             reasoning, content = "", text
         return reasoning, (self.calls.feed(content) if self.calls is not None else content)
 
-    def ready_calls(self) -> list[dict[str, Any]]:
-        """The tool calls complete since the last look, to stream before the answer ends (a
-        harmony call at its ``<|call|>``, another family's at its closing marker); ``finish``
-        then gives only the others. A reader never asked gives every call at ``finish``."""
-        if self.tools is None or (not self.tools.parallel and self.n_given):
+    def call_parts(self) -> list[CallPart]:
+        """The calls' parts written since the last look, to stream before the answer ends."""
+        if self.tools is None:
             return []
-        out: list[dict[str, Any]] = []
-        if self.harmony is not None:
-            done = self.harmony.calls[self.n_harmony_calls:]
-            self.n_harmony_calls += len(done)
-            out = [new_call(n, a) for n, a in done if n in self.tools.names]
+        out = self._harmony_parts(follow=True) if self.harmony is not None else []
         if self.calls is not None:
-            out += self.calls.ready()
-        out = limit_calls(out, self.tools.parallel)
-        self.n_given += len(out)
+            out += self._number("t", self.calls.parts())
         return out
 
-    def finish(self) -> tuple[str, str, list[dict[str, Any]]]:
-        """What was held: ``(reasoning, content, calls)``, the calls less those ``ready_calls``
-        gave out."""
-        found: list[dict[str, Any]] = []
+    def finish(self) -> tuple[str, str, list[CallPart]]:
+        """What was held: ``(reasoning, content, parts)``, the parts less those ``call_parts``
+        gave out. A reader never asked reads the answer's calls whole here."""
+        out: list[CallPart] = []
         if self.harmony is not None:
             parts = self.harmony.finish()
             reasoning, content = parts.reasoning, parts.content
-            if self.tools is not None:  # a call to a function the request did not offer is no call
-                found = [new_call(n, a) for n, a in parts.calls[self.n_harmony_calls:] if n in self.tools.names]
+            if self.tools is not None:
+                out = self._harmony_parts(follow=False)
         elif self.thinking is not None:
             reasoning, content = self.thinking.finish()
         else:
@@ -97,10 +99,59 @@ class AnswerReader:
             content = self.calls.feed(content)
             rest, more = self.calls.finish()
             content += rest
-            found += more
-        if self.tools is not None and not self.tools.parallel:
-            found = found[: max(0, 1 - self.n_given)]
-        return reasoning, content, found
+            out += self._number("t", more)
+        return reasoning, content, out
+
+    def _number(self, source: str, parts: list[CallPart]) -> list[CallPart]:
+        """``parts`` under the answer's call indexes (without parallel calls, the first call's only)."""
+        out = []
+        for p in parts:
+            key = (source, p.index)
+            if key not in self.index:
+                if self.index and not self.tools.parallel:
+                    continue
+                self.index[key] = len(self.index)
+            p.index = self.index[key]
+            if self.tools.parallel or p.index == 0:
+                out.append(p)
+        return out
+
+    def _harmony_parts(self, follow: bool) -> list[CallPart]:
+        """Harmony's calls (to the functions the request offered): the one followed ends once its
+        message has, the others whole; ``follow``: the call being written is followed."""
+        h, out = self.harmony, []
+        assert h is not None and self.tools is not None
+        if self.h_cut:
+            return []
+        offered = self.tools.names
+        live = self.h_live
+        open_call = h.open_call() if follow else None
+        if live is not None:
+            msg, cid, name, reader = live
+            if open_call is not None and open_call[0] == msg:
+                piece = reader.feed(open_call[2])
+                self.h_sent += piece
+                return self._number("h", [CallPart(msg, cid, name, piece)] if piece else [])
+            self.h_live = None
+            self.h_done.add(msg)
+            if msg not in h.call_at:  # its body was no JSON, or was cut: it ends as it went out
+                self.h_cut = True
+                return self._number("h", [CallPart(msg, cid, name, "", last=True)])
+            args = new_call(name, h.calls[h.call_at.index(msg)][1])["function"]["arguments"]
+            rest = args[len(self.h_sent):] if args.startswith(self.h_sent) else ""
+            out.append(CallPart(msg, cid, name, rest, last=True))
+        for (name, args), msg in zip(h.calls, h.call_at, strict=True):
+            if msg not in self.h_done and name in offered:
+                self.h_done.add(msg)
+                out.append(whole_call(msg, new_call(name, args)))
+        if open_call is not None and open_call[1] in offered and open_call[0] not in self.h_done:
+            msg, name, body = open_call
+            reader = JsonArgs()
+            cid = "call_" + uuid.uuid4().hex[:24]
+            self.h_live, self.h_sent = (msg, cid, name, reader), reader.feed(body)
+            out += [CallPart(msg, cid, name, "", first=True)] + ([CallPart(msg, cid, name, self.h_sent)]
+                                                                  if self.h_sent else [])
+        return self._number("h", out)
 
 
 def harmony_only(plan: ReasoningPlan | None) -> ReasoningPlan | None:
@@ -113,5 +164,6 @@ def read_answer(reasoning: ReasoningPlan | None, tools: ToolReading | None, text
     """A whole answer's ``(reasoning, content, calls)``."""
     r = AnswerReader(reasoning, tools)
     r1, c1 = r.feed(text)
-    r2, c2, calls = r.finish()
+    r2, c2, parts = r.finish()
+    calls = calls_of(parts)
     return r1 + r2, (c1 + c2).strip() if calls else c1 + c2, calls

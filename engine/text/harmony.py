@@ -47,7 +47,7 @@ class HarmonyParts:
 
 class HarmonyParser:
     """Streams a harmony answer: ``feed`` returns the reasoning and content that can go out now;
-    calls are whole at ``finish``. ``raw_reasoning``: the analysis messages go to the content as
+    each call is whole in ``calls`` once its message ends (``open_call``: the one being written). ``raw_reasoning``: the analysis messages go to the content as
     written (llama-server's ``reasoning_format: none``)."""
 
     def __init__(self, raw_reasoning: bool = False) -> None:
@@ -59,6 +59,8 @@ class HarmonyParser:
         self.plain = False  # the text opened with no header: content whole
         self.started = False
         self.calls: list[tuple[str, Any]] = []
+        self.call_at: list[int] = []  # each call's message, counted from 1
+        self.n_messages = 0  # headers read
 
     def feed(self, text: str) -> HarmonyParts:
         self.held += text
@@ -104,6 +106,7 @@ class HarmonyParser:
             return False
         header, self.held = self.held[:i], self.held[i + len(_MESSAGE):]
         self.started = True
+        self.n_messages += 1
         self.header = header
         recipient = _RECIPIENT.search(header)
         channel = _CHANNEL.search(header)
@@ -163,6 +166,11 @@ class HarmonyParser:
         except ValueError:
             return  # cut or malformed: not a call
         self.calls.append((self.call_name, args))
+        self.call_at.append(self.n_messages)
+
+    def open_call(self) -> tuple[int, str, str] | None:
+        """The call being written: ``(its message, the function's name, its body so far)``."""
+        return (self.n_messages, self.call_name, self.held) if self.kind == "call" else None
 
 
 def parse_harmony(text: str, raw_reasoning: bool = False) -> HarmonyParts:

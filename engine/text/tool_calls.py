@@ -2,8 +2,8 @@
 side: tools into the prompt, the format a template shows, the forced-call grammar).
 
 ``parse_tool_calls`` reads a whole answer; ``ToolCallStream`` streams one: plain text goes out as
-it comes, the text from a call's marker on is held, and each call that is closed can go out at
-once. An XML-style call's values (Qwen3-Coder's, GLM's) are typed by the offered tools' parameter
+it comes, the text from a call's marker on is held, and each call goes out as it is written (its
+name, then its arguments a piece at a time: ``engine.text.call_args``). An XML-style call's values (Qwen3-Coder's, GLM's) are typed by the offered tools' parameter
 schemas (``arg_types``).
 """
 
@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
+from engine.text.call_args import CallPart, Head, JsonArgs, XmlArgs, find_head, whole_call
 from engine.text.stream import partial_stop_suffix
 
 DS_CALLS = "<｜tool▁calls▁begin｜>"  # DeepSeek V3.1's markers: fullwidth bars, U+2581 for spaces
@@ -207,13 +209,45 @@ def _first_json(text: str) -> Any:
 
 # what closes one call in the formats whose calls close one by one (the rest close at the end)
 CALL_ENDS = ("</tool_call>", DS_CALL_END, KIMI_CALL_END)
+# heads of the calls whose arguments follow a marker, for streaming them (``call_args.find_head``)
+_HEADS = tuple(re.compile(p.pattern + r"(?=\s*[\[{])") for p in (_DS_HEAD, _KIMI_HEAD))
+# what opens one call (its text begins there, for a reading that ends where a call began)
+OPENERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", DS_CALLS, KIMI_CALLS)
+# what may stand between the calls of one answer (and before the first): markup, no text
+_BETWEEN = re.compile("(?:\\s|[\\[\\],;}]|" + "|".join(map(re.escape, (
+    "<tool_call>", "</tool_call>", "</function>", "[TOOL_CALLS]", "<|python_tag|>", DS_CALLS, DS_CALL_END,
+    KIMI_CALLS, KIMI_CALL_END))) + ")*")
+
+
+@dataclass
+class _Live:
+    """A call streamed while it is written."""
+
+    index: int
+    id: str
+    head: Head
+    reader: JsonArgs | XmlArgs
+    start: int  # where its text begins: its marker, or its head where it has none of its own
+    sent: str = ""  # its arguments as far as they went out
+    closed: bool = False
 
 
 class ToolCallStream:
     """Streams a tools request's text: plain text goes out as it comes, except a tail that
     could begin a call marker; from a marker on (or from an answer that opens with a JSON
-    value) the text is held. Each call that is closed (``CALL_ENDS``) can go out at once
-    (``ready``); the rest is parsed into calls at the end."""
+    value) the text is held.
+
+    ``parts`` gives the calls as they are written: a call's id and name once its head is read,
+    its arguments' canonical JSON as far as it is certain (``engine.text.call_args``), and its
+    end once the call is closed (``CALL_ENDS``) and read as the whole answer reads it (whatever
+    of its arguments had not gone out). A call the stream cannot follow (a head in an order or
+    place it does not know, a name the request did not offer) goes out whole once it is closed,
+    and so does every call after it. ``finish`` gives the content and what is left of the
+    calls. A reader never asked for ``parts`` reads the answer whole at ``finish``.
+
+    A streamed call that the whole reading does not take for a call (cut by ``max_tokens``,
+    or its arguments no JSON) ends with the arguments that went out, and the answer's reading
+    ends where that call began: its text is no content."""
 
     def __init__(self, names: list[str], parallel: bool = True, types: ArgTypes | None = None) -> None:
         self.names = names
@@ -222,9 +256,12 @@ class ToolCallStream:
         self.held = ""
         self.holding = False  # a call has (maybe) started: hold the rest
         self.sent_any = False
-        self.n_ready = 0  # calls given out by ``ready``
-        self._closed_at = 0  # the held text's length up to its last call end, when ``ready`` last looked
-        self._looked = 0  # the held text's length when ``ready`` last looked
+        self.live: list[_Live] = []
+        self.following = True  # the calls are followed as they are written
+        self.n_given = 0  # calls begun in ``parts``, followed or whole
+        self.cut_at: int | None = None  # where a streamed call that read as none began
+        self._closed_at = 0  # the held text's length up to its last call end, when ``parts`` last looked
+        self._looked = 0  # the held text's length when ``parts`` last looked
 
     def feed(self, text: str) -> str:
         self.held += text
@@ -248,27 +285,91 @@ class ToolCallStream:
             self.sent_any = True
         return out
 
-    def ready(self) -> list[dict[str, Any]]:
-        """The calls closed since the last look: a closed call reads the same whatever follows
-        it, so it need not wait for the answer's end (the first only, without parallel calls)."""
-        if not self.holding or (not self.parallel and self.n_ready):
+    def parts(self) -> list[CallPart]:
+        """The calls' parts written since the last look, in the calls' order."""
+        if not self.holding or self.cut_at is not None:
             return []
+        out = self._follow()
         # only the text since the last look can hold a new call end (one may straddle it)
         start = max(0, self._looked - max(map(len, CALL_ENDS)))
         self._looked = len(self.held)
         end = max((i + len(m) for m in CALL_ENDS if (i := self.held.rfind(m, start)) >= 0), default=0)
-        if end <= self._closed_at:
-            return []
-        self._closed_at = end
-        _, calls = parse_tool_calls(self.held[:end], self.names, self.types)
-        new = limit_calls(calls, self.parallel)[self.n_ready:]
-        self.n_ready += len(new)
-        return new
+        if end > self._closed_at:
+            self._closed_at = end
+            out += self._settle(parse_tool_calls(self.held[:end], self.names, self.types)[1])
+        return sorted(out, key=lambda p: p.index)  # stable: each call's parts stay in order
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """What is left: ``(content, calls)``, less the calls ``ready`` gave out."""
+    def finish(self) -> tuple[str, list[CallPart]]:
+        """What is left: ``(content, parts)``."""
+        if self.cut_at is not None:
+            return parse_tool_calls(self.held[:self.cut_at], self.names, self.types)[0], []
         content, calls = parse_tool_calls(self.held, self.names, self.types)
-        return content, limit_calls(calls, self.parallel)[self.n_ready:]
+        out = self._settle(calls)
+        if self.cut_at is None and (unread := [c for c in self.live if not c.closed]):
+            out += self._cut(unread[0])  # cut by the answer's end: no call to the whole reading
+        if self.cut_at is not None:
+            content = parse_tool_calls(self.held[:self.cut_at], self.names, self.types)[0]
+        return content, sorted(out, key=lambda p: p.index)
+
+    def _follow(self) -> list[CallPart]:
+        """The parts of the calls being written: the open call's arguments, then each head read."""
+        out: list[CallPart] = []
+        while self.following:
+            cur = self.live[-1] if self.live else None
+            if cur is not None:
+                piece = cur.reader.feed(self.held[cur.head.args:])
+                if piece:
+                    cur.sent += piece
+                    out.append(CallPart(cur.index, cur.id, cur.head.name, piece))
+                if cur.reader.broken:
+                    self.following = False  # its end comes with the whole reading
+                if not cur.reader.done:
+                    break
+            if self.n_given and not self.parallel:
+                break
+            pos = cur.head.args + cur.reader.read if cur is not None else 0
+            head = find_head(self.held, pos, _HEADS)
+            if head is None:
+                break
+            if head.name not in self.names or not _BETWEEN.fullmatch(self.held, pos, head.start):
+                self.following = False
+                break
+            reader = JsonArgs() if head.kind == "json" else XmlArgs(head.kind == "glm", (self.types or {}).get(
+                head.name, {}), xml_value)
+            opener = max((self.held.rfind(m, pos, head.start) for m in OPENERS), default=-1)
+            c = _Live(self.n_given, "call_" + uuid.uuid4().hex[:24], head, reader, opener if opener >= 0 else head.start)
+            self.live.append(c)
+            self.n_given += 1
+            out.append(CallPart(c.index, c.id, head.name, "", first=True))
+        return out
+
+    def _settle(self, calls: list[dict[str, Any]]) -> list[CallPart]:
+        """The ends of the calls the whole reading found (``calls``, in order): a streamed one gets
+        what of its arguments had not gone out, the others go out whole."""
+        out: list[CallPart] = []
+        for k, call in enumerate(limit_calls(calls, self.parallel)):
+            fn = call["function"]
+            if k < len(self.live):
+                c = self.live[k]
+                if c.closed:
+                    continue
+                c.closed = True
+                if fn["name"] != c.head.name or not fn["arguments"].startswith(c.sent):
+                    return out + self._cut(c)
+                out.append(CallPart(k, c.id, c.head.name, fn["arguments"][len(c.sent):], last=True))
+                c.sent = fn["arguments"]
+            elif k >= self.n_given:
+                self.following = False  # a call the stream did not follow: the rest come whole
+                self.n_given = k + 1
+                out.append(whole_call(k, call))
+        return out
+
+    def _cut(self, c: _Live) -> list[CallPart]:
+        """A streamed call the whole reading does not take for one: it ends as it went out, and
+        so does the answer's reading (every later call with it)."""
+        self.cut_at, self.following = c.start, False
+        return [CallPart(x.index, x.id, x.head.name, "", last=True) for x in self.live[c.index:]
+                if x is c or not x.closed]
 
 
 def limit_calls(calls: list[dict[str, Any]], parallel: bool) -> list[dict[str, Any]]:
