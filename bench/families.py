@@ -13,6 +13,11 @@ groups, its RPC stage) and llama-server ``--jinja`` with rpc-server, the same la
   family's syntax, and the parsed messages (the calls' names and arguments as JSON) are
   compared; the table counts the answers that are calls on each side (this service's must all
   be; the vendored llama-server's grammar is lazy, so a model that opens no call writes text).
+- **streamed calls**: this service alone (llama-server takes no grammar beside tools) reads each
+  call fixture forced with the tools offered: it must be calls, and streamed, put together as
+  OpenAI's clients put deltas together, the same message; and both servers stream the forced
+  calls, each read against its own whole answer, with how many pieces a call's arguments came
+  in (1: the call whole at its end).
 
 For the Qwen-VL pairs (``tests/models/qwen_vl``: ``qwen2vl``, ``qwen3vl`` and their M-RoPE
 projectors, both servers given the ``--mmproj``):
@@ -147,6 +152,68 @@ def chat(client: httpx.Client, base: str, text: str, max_tokens: int) -> dict:
     return message(r.json())
 
 
+def chat_streamed(client: httpx.Client, base: str, body: dict) -> tuple[dict, int]:
+    """A chat request streamed, its answer put together as OpenAI's clients put it together
+    (content, reasoning and each call's name and arguments joined by its index), and how many
+    pieces the calls' arguments came in."""
+    content = reasoning = ""
+    calls: dict[int, dict[str, str]] = {}
+    pieces, finish = 0, None
+    with client.stream("POST", base + "/v1/chat/completions", json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            return {"error": r.status_code}, 0
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for ch in json.loads(line[6:]).get("choices") or []:
+                d = ch.get("delta") or {}
+                content += d.get("content") or ""
+                reasoning += d.get("reasoning_content") or ""
+                for tc in d.get("tool_calls") or []:
+                    c = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+                    fn = tc.get("function") or {}
+                    c["name"] += fn.get("name") or ""
+                    c["arguments"] += fn.get("arguments") or ""
+                    pieces += bool(fn.get("arguments"))
+                finish = ch.get("finish_reason") or finish
+    return message({"choices": [{"finish_reason": finish, "message": {
+        "content": content, "reasoning_content": reasoning,
+        "tool_calls": [{"function": c} for _, c in sorted(calls.items())]}}]}), pieces
+
+
+def with_tools(client: httpx.Client, base: str, text: str, max_tokens: int) -> tuple[dict, dict, int]:
+    """A fixture forced as the answer with the tools offered (this service takes a grammar
+    beside tools; llama-server does not): the answer whole, streamed, and its pieces."""
+    body = {"messages": ASK, "tools": TOOLS, "temperature": 0, "max_tokens": max_tokens, "grammar": gbnf_literal(text)}
+    r = client.post(base + "/v1/chat/completions", json=body)
+    whole = message(r.json()) if r.status_code == 200 else {"error": r.status_code}
+    return (whole, *chat_streamed(client, base, body))
+
+
+def prefilled(client: httpx.Client, base: str, text: str, eos: int) -> dict:
+    """llama-server's own reading of ``text`` as an answer with the tools offered: the text as a
+    prefilled assistant message (llama-server parses the prefill with what it generates), one
+    token generated and that one the end (``logit_bias``), the parsed message. A thinking that
+    the text opens or closes goes in the message's ``reasoning_content``, as llama-server
+    renders a continued thinking."""
+    head, sep, rest = text.partition("</think>")
+    msg = {"role": "assistant", "content": rest.lstrip("\n"), "reasoning_content": head.replace("<think>", "").strip()} \
+        if sep else {"role": "assistant", "content": text}
+    r = client.post(base + "/v1/chat/completions", json={
+        "messages": [*ASK, msg], "tools": TOOLS, "temperature": 0, "max_tokens": 1, "logit_bias": [[eos, 100]]})
+    if r.status_code != 200:
+        return {"error": r.status_code, "body": r.text[:300]}
+    return message(r.json())
+
+
+def reads_alike(ours: dict, theirs: dict) -> bool:
+    """The same calls (names, arguments as JSON), content and reasoning less their outer space;
+    the finish reason is not compared (llama-server's is that of its one forced token)."""
+    def norm(m: dict) -> tuple:
+        return (m.get("content", "").strip(), m.get("reasoning_content", "").strip(), m.get("tool_calls"))
+    return "error" not in ours and "error" not in theirs and norm(ours) == norm(theirs)
+
+
 ENUM_TOOLS = [  # every value an enum: a forced call is bounded, whatever the weights
     {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city", "parameters": {
         "type": "object", "properties": {"city": {"enum": ["Paris", "Zürich"]}, "unit": {"enum": ["C", "F"]}},
@@ -193,8 +260,8 @@ def greedy(client: httpx.Client, base: str, prompt: str) -> str:
     return r.json()["choices"][0]["text"]
 
 
-def compare(arch: str, ours: str, theirs: str) -> dict:
-    out: dict = {"arch": arch, "greedy": [], "answers": [], "forced": []}
+def compare(arch: str, ours: str, theirs: str, eos: int | None = None) -> dict:
+    out: dict = {"arch": arch, "greedy": [], "answers": [], "forced": [], "streamed": [], "with tools": []}
     with httpx.Client(timeout=120) as c:
         for p in GREEDY_PROMPTS:
             a, b = greedy(c, ours, p), greedy(c, theirs, p)
@@ -203,9 +270,25 @@ def compare(arch: str, ours: str, theirs: str) -> dict:
             a, b = chat(c, ours, text, n), chat(c, theirs, text, n)
             same = cut_alike(a, b) if name == "cut by max_tokens" else a == b
             out["answers"].append({"fixture": name, "equal": same, "ours": a, **({} if a == b else {"llama-server": b})})
+            if name == "cut by max_tokens":
+                continue
+            whole, streamed, pieces = with_tools(c, ours, text, n)
+            if "call" in name:  # ours: a call, its stream read as it is whole
+                n_calls = len(whole.get("tool_calls") or [])
+                out["streamed"].append({"fixture": name, "equal": bool(n_calls) and streamed == whole,
+                                        "pieces": pieces, "calls": n_calls, "ours": whole,
+                                        **({} if streamed == whole else {"ours streamed": streamed})})
+            if eos is not None:  # the same text read with the tools offered, by each server
+                theirs_read = prefilled(c, theirs, text, eos)
+                same = reads_alike(whole, theirs_read)
+                out["with tools"].append({"fixture": name, "equal": same, **({} if same else {
+                    "ours": whole, "llama-server": theirs_read})})
         for name, choice in FORCED:
             a, b = forced(c, ours, choice), forced(c, theirs, choice)
-            out["forced"].append({"fixture": name, "equal": a == b, "ours": a, **({} if a == b else {"llama-server": b})})
+            body = {"messages": ASK, "tools": ENUM_TOOLS, "temperature": 0, "max_tokens": 200, **choice}
+            (sa, pa), (sb, pb) = chat_streamed(c, ours, body), chat_streamed(c, theirs, body)
+            out["forced"].append({"fixture": name, "equal": a == b, "ours": a, **({} if a == b else {"llama-server": b}),
+                                  "streamed": [sa == a, sb == b], "pieces": [pa, pb]})
     return out
 
 
@@ -240,6 +323,13 @@ def compare_images(arch: str, ours: str, theirs: str) -> dict:
     return out
 
 
+def eos_id(path: Path) -> int:
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields["tokenizer.ggml.eos_token_id"]
+    return int(field.parts[field.data[0]][0])
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench.llama_server import LlamaServer
     from bench.stack import HttpStack
@@ -266,15 +356,17 @@ def main(argv: list[str] | None = None) -> int:
                 ls = LlamaServer(path, n_layer=n_layer, n_peer=N_PEER, output_local=True, slots=1, n_ctx=4096,
                                  port=LS_PORT, rpc_port=LS_RPC, flash_attn="off", extra=["--jinja", *extra])
                 try:
-                    r = (compare_images if vl else compare)(arch, stack.base, ls.base)
+                    r = compare_images(arch, stack.base, ls.base) if vl else compare(arch, stack.base, ls.base,
+                                                                                      eos_id(path))
                 finally:
                     ls.close()
                 print(json.dumps(r, ensure_ascii=False), flush=True)
                 results.append(r)
     finally:
         stack.close()
-    print("\n| family | greedy equal | answers parsed equal | forced: a call (ours vs llama-server) | differing |"
-          "\n|---|---|---|---|---|")
+    print("\n| family | greedy equal | answers parsed equal | read with tools, equal to llama-server's | call fixtures with tools: calls, streamed as whole "
+          "(ours) | forced: a call (ours vs llama-server) | forced, streamed as whole; pieces a call "
+          "(ours vs llama-server) | differing |\n|---|---|---|---|---|---|---|---|")
     bad = 0
     for r in results:
         g = sum(x["equal"] for x in r["greedy"])
@@ -282,11 +374,27 @@ def main(argv: list[str] | None = None) -> int:
         fc = r.get("forced", [])
         ours_calls = sum(_called(x["ours"]) for x in fc)
         ls_calls = sum(_called(x.get("llama-server", x["ours"])) for x in fc)
-        diff = ", ".join(x["fixture"] for x in r["answers"] if not x["equal"]) or "-"
+        st = r.get("streamed", [])
+        st_ok = sum(x["equal"] for x in st)
+        per_call = sum(x["pieces"] for x in st) / max(1, sum(x["calls"] for x in st))
+        # each side's forced calls streamed: read as its whole answer, and the pieces of a call's arguments
+        fs = [sum(x["streamed"][i] for x in fc) for i in (0, 1)]
+        fp = [[x["pieces"][i] for x in fc if _called(x["ours"] if i == 0 else x.get("llama-server", x["ours"]))]
+              for i in (0, 1)]
+        fp_text = " vs ".join(f"{sum(p) / len(p):.1f}" if p else "-" for p in fp)
+        diff = ", ".join(x["fixture"] for x in r["answers"] + st if not x["equal"]) or "-"
+        diff_wt = ", ".join(x["fixture"] for x in r.get("with tools", []) if not x["equal"])
+        diff += f" (with tools: {diff_wt})" if diff_wt else ""
         # a forced answer that is no call is this service's failure; llama-server's is reported
-        bad += (len(r["answers"]) - ans) + (len(r["greedy"]) - g) + (len(fc) - ours_calls)
+        bad += (len(r["answers"]) - ans) + (len(r["greedy"]) - g) + (len(fc) - ours_calls) + (len(st) - st_ok) \
+            + (len(fc) - fs[0])
+        wt = r.get("with tools", [])
+        n_wt = sum(x["equal"] for x in wt)
         print(f"| {r['arch']} | {g}/{len(r['greedy'])} | {ans}/{len(r['answers'])} | "
-              f"{f'{ours_calls}/{len(fc)} vs {ls_calls}/{len(fc)}' if fc else '-'} | {diff} |")
+              f"{f'{n_wt}/{len(wt)}' if wt else '-'} | "
+              f"{f'{st_ok}/{len(st)}, {per_call:.1f} pieces a call' if st else '-'} | "
+              f"{f'{ours_calls}/{len(fc)} vs {ls_calls}/{len(fc)}' if fc else '-'} | "
+              f"{f'{fs[0]}/{len(fc)} vs {fs[1]}/{len(fc)}; {fp_text}' if fc else '-'} | {diff} |")
     return 1 if bad else 0
 
 

@@ -340,7 +340,7 @@ def test_streamed_chat_calls_go_out_one_by_one_with_their_indices() -> None:
         return [json.loads(line[6:])["choices"][0] for line in raw.decode().split("\n") if line.startswith("data: ")]
 
     early = deltas(s.events(ev, [Delta("r", "Checking. " + first, 1)]))  # the answer is not over
-    assert [d["delta"].get("content") for d in early if d["delta"].get("content")] == ["Checking. "]
+    assert [d["delta"].get("content") for d in early if d["delta"].get("content")] == ["Checking."]
     assert [(tc["index"], tc["function"]["name"]) for d in early for tc in d["delta"].get("tool_calls", [])] == \
         [(0, "search")]
     late = deltas(s.events(ev, [Finish("r", second, 1, FinishReason.STOP, prompt_tokens=3, completion_tokens=9)]))
@@ -377,7 +377,7 @@ def test_a_responses_stream_gives_each_call_its_item_as_soon_as_it_is_closed() -
     assert late[-1]["type"] == "response.completed"
     assert [(o["type"], o.get("name")) for o in final["output"]] == [
         ("message", None), ("function_call", "search"), ("function_call", "get_weather")]
-    assert final["output"][0]["content"][0]["text"] == "Checking. "
+    assert final["output"][0]["content"][0]["text"] == "Checking."  # the space before the call is none of it
     seqs = [e["sequence_number"] for e in early + late]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
 
@@ -425,4 +425,4 @@ def test_text_after_a_streamed_call_is_a_responses_message_item_of_its_own() -> 
     assert done == [(0, "msg_1"), (1, "fc_1_0"), (2, "msg_1_1")]
     output = events[-1]["response"]["output"]
     assert [o["id"] for o in output] == ["msg_1", "fc_1_0", "msg_1_1"]
-    assert output[0]["content"][0]["text"] == "Hi. " and output[2]["content"][0]["text"] == "and more"
+    assert output[0]["content"][0]["text"] == "Hi." and output[2]["content"][0]["text"] == "and more"

@@ -80,12 +80,13 @@ def test_the_stream_holds_only_what_can_be_a_call():
     s = ToolCallStream(NAMES)
     out = [s.feed(p) for p in ["The ", "weather: <to", "ol_call>\n{\"name\": \"get_time\", ",
                                 "\"arguments\": {\"zone\": \"UTC\"}}\n</tool_call>"]]
-    assert "".join(out) == "The weather: " and out[1] == "weather: "
+    # the space before a call is held (the whole reading strips it), the text before it goes out
+    assert "".join(out) == "The weather:" and out == ["The", " weather:", "", ""]
     content, parts = s.finish()
     assert content == "" and [c["function"]["name"] for c in joined_calls(parts)] == ["get_time"]
     # a held tail that turns out not to be a marker goes out with what follows
     s = ToolCallStream(NAMES)
-    assert s.feed("a <to") == "a " and s.feed("olbox> b") == "<toolbox> b" and s.finish() == ("", [])
+    assert s.feed("a <to") == "a" and s.feed("olbox> b") == " <toolbox> b" and s.finish() == ("", [])
     # an answer that opens with JSON is held to the end, and given back when it is no call
     s = ToolCallStream(NAMES)
     assert s.feed(' {"answer":') == "" and s.feed(" 42}") == ""

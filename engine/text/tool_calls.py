@@ -277,10 +277,12 @@ class ToolCallStream:
         idx = min((self.held.find(m) for m in MARKERS if m in self.held), default=-1)
         if idx >= 0:
             self.holding = True
-            out, self.held = self.held[:idx], self.held[idx:]
+            cut = idx
         else:
-            keep = partial_stop_suffix(self.held, MARKERS)
-            out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
+            cut = len(self.held) - partial_stop_suffix(self.held, MARKERS)
+        # the space before a call is no content (the whole reading strips it): hold it until text follows
+        cut = len(self.held[:cut].rstrip())
+        out, self.held = self.held[:cut], self.held[cut:]
         if out:
             self.sent_any = True
         return out
