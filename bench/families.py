@@ -8,6 +8,13 @@ groups, its RPC stage) and llama-server ``--jinja`` with rpc-server, the same la
   model's text by a GBNF grammar that admits that text alone, so both servers generate the same
   answer, and the parsed message (``content``, ``reasoning_content``, each tool call's name and
   arguments as JSON, ``finish_reason``) compared field by field.
+- **read with tools**: each fixture but the cut one, read by both servers with the tools
+  offered: this service forces the text with the grammar beside the tools; llama-server, which
+  takes no grammar beside tools, gets the text as a prefilled assistant message (its parser reads
+  the prefill with what it generates) and generates one token, forced to be the end by
+  ``logit_bias``: the parsed messages (content and reasoning less their outer space, each call's
+  name and arguments as JSON) compared. Not for gpt-oss: llama-server continues a prefilled
+  harmony answer as the final channel's text, its markup read as content.
 - **forced calls**: ``tool_choice`` ``required`` (one call) and a named function, with tools
   whose every value is an enum, greedy: each server forces the call with its own grammar of the
   family's syntax, and the parsed messages (the calls' names and arguments as JSON) are
@@ -281,7 +288,8 @@ def compare(arch: str, ours: str, theirs: str, eos: int | None = None) -> dict:
             if eos is not None:  # the same text read with the tools offered, by each server
                 theirs_read = prefilled(c, theirs, text, eos)
                 same = reads_alike(whole, theirs_read)
-                out["with tools"].append({"fixture": name, "equal": same, **({} if same else {
+                out["with tools"].append({"fixture": name, "equal": same, "calls": len(
+                    theirs_read.get("tool_calls") or []), **({} if same else {
                     "ours": whole, "llama-server": theirs_read})})
         for name, choice in FORCED:
             a, b = forced(c, ours, choice), forced(c, theirs, choice)
@@ -356,8 +364,10 @@ def main(argv: list[str] | None = None) -> int:
                 ls = LlamaServer(path, n_layer=n_layer, n_peer=N_PEER, output_local=True, slots=1, n_ctx=4096,
                                  port=LS_PORT, rpc_port=LS_RPC, flash_attn="off", extra=["--jinja", *extra])
                 try:
-                    r = compare_images(arch, stack.base, ls.base) if vl else compare(arch, stack.base, ls.base,
-                                                                                      eos_id(path))
+                    # llama-server continues a prefilled harmony answer as the final channel's text
+                    # (its markup read as content), so gpt-oss's answers are not read that way
+                    eos = eos_id(path) if arch != "gpt-oss" else None
+                    r = compare_images(arch, stack.base, ls.base) if vl else compare(arch, stack.base, ls.base, eos)
                 finally:
                     ls.close()
                 print(json.dumps(r, ensure_ascii=False), flush=True)
@@ -374,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
         fc = r.get("forced", [])
         ours_calls = sum(_called(x["ours"]) for x in fc)
         ls_calls = sum(_called(x.get("llama-server", x["ours"])) for x in fc)
+        wt = r.get("with tools", [])
+        n_wt = sum(x["equal"] for x in wt)
+        n_wt_calls = sum(x["equal"] and x["calls"] > 0 for x in wt)
         st = r.get("streamed", [])
         st_ok = sum(x["equal"] for x in st)
         per_call = sum(x["pieces"] for x in st) / max(1, sum(x["calls"] for x in st))
@@ -387,11 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         diff += f" (with tools: {diff_wt})" if diff_wt else ""
         # a forced answer that is no call is this service's failure; llama-server's is reported
         bad += (len(r["answers"]) - ans) + (len(r["greedy"]) - g) + (len(fc) - ours_calls) + (len(st) - st_ok) \
-            + (len(fc) - fs[0])
-        wt = r.get("with tools", [])
-        n_wt = sum(x["equal"] for x in wt)
+            + (len(fc) - fs[0]) + (len(wt) - n_wt)
         print(f"| {r['arch']} | {g}/{len(r['greedy'])} | {ans}/{len(r['answers'])} | "
-              f"{f'{n_wt}/{len(wt)}' if wt else '-'} | "
+              f"{f'{n_wt}/{len(wt)} ({n_wt_calls} with calls)' if wt else '-'} | "
               f"{f'{st_ok}/{len(st)}, {per_call:.1f} pieces a call' if st else '-'} | "
               f"{f'{ours_calls}/{len(fc)} vs {ls_calls}/{len(fc)}' if fc else '-'} | "
               f"{f'{fs[0]}/{len(fc)} vs {fs[1]}/{len(fc)}; {fp_text}' if fc else '-'} | {diff} |")

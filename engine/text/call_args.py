@@ -204,6 +204,7 @@ class XmlArgs:
         self.opened = False
         self.key: str | None = None  # the open parameter's name
         self.sent = 0  # how much of a string value's trimmed text went out
+        self.scanned = 0  # the text looked at for the open value's end
         self.done = False
         self.broken = False
         self.ends = ("</tool_call>",) if glm else ("</function>", "</tool_call>")
@@ -226,7 +227,7 @@ class XmlArgs:
         rest = text[self.read:]
         if m := self.head.match(text, self.read):
             self.key = m.group(1) if self.glm else m.group(1).strip()
-            self.read, self.sent = m.end(), 0
+            self.read, self.sent, self.scanned = m.end(), 0, 0
             out.append((", " if self.n_params else "") + _dumps(self.key) + ": " + ('"' if self._is_string() else ""))
             self.n_params += 1
             return True
@@ -243,8 +244,10 @@ class XmlArgs:
         return "string" in self.types.get(self.key or "", set())
 
     def _value(self, text: str, out: list[str]) -> bool:
-        ends = [(j, e) for e in self.value_ends if (j := text.find(e, self.read)) >= 0]
+        start = max(self.read, self.scanned)  # no value end begins before what was looked at
+        ends = [(j, e) for e in self.value_ends if (j := text.find(e, start)) >= 0]
         j, end = min(ends) if ends else (len(text) - partial_stop_suffix(text, self.value_ends), None)
+        self.scanned = len(text) - max(map(len, self.value_ends))
         raw = text[self.read:j]
         if not self._is_string():
             if end is None:
