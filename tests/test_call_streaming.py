@@ -138,6 +138,18 @@ def test_json_arguments_are_rewritten_to_their_canonical_text_a_character_at_a_t
     assert out == json.dumps(json.loads(raw), ensure_ascii=False)
 
 
+def test_an_unpaired_surrogate_escape_stays_an_escape_streamed_and_whole() -> None:
+    from deployments.api.base import dumps
+
+    text = '<tool_call>{"name": "search", "arguments": {"q": "a\\ud800b\\ud83d\\ude00"}}</tool_call>'
+    whole = read_answer(None, reading(ToolFormat.HERMES), text)[2]
+    _, steps = stream(None, reading(ToolFormat.HERMES), text, 1)
+    [call] = calls_of([p for s in steps for p in s])
+    assert call["function"] == whole[0]["function"]
+    assert call["function"]["arguments"] == '{"q": "a\\ud800b😀"}'
+    dumps(whole).encode()  # UTF-8 carries it
+
+
 @pytest.mark.parametrize("raw", ['{"a": oops}', '{"a": 01}', '{"a" 1}', '{"a": "x\ny"}', '{"a": 1,}', '{"a": "\\x"}'])
 def test_arguments_that_are_no_json_stop_streaming_where_they_break(raw: str) -> None:
     r, out = JsonArgs(), ""

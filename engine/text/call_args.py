@@ -1,8 +1,8 @@
 """A tool call's arguments streamed while the model writes them, as OpenAI streams them: the call's
 id and name once its head is read, then its arguments' JSON a piece at a time.
 
-What goes out is the canonical JSON the whole answer's call carries
-(``json.dumps(arguments, ensure_ascii=False)``), written as far as it is certain:
+What goes out is the canonical JSON the whole answer's call carries (``canonical``), written as
+far as it is certain:
 
 - ``JsonArgs`` rewrites arguments the model writes as JSON (Hermes, Mistral, Llama 3, DeepSeek,
   Kimi, harmony): each punctuation mark at once, a string's text as its characters come (an
@@ -54,8 +54,16 @@ def whole_call(index: int, call: dict[str, Any]) -> CallPart:
     return CallPart(index, call["id"], fn["name"], fn["arguments"], first=True, last=True)
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
+_LONE = re.compile("[\ud800-\udfff]")
+
+
+def canonical(value: Any) -> str:
+    """A call's arguments as they go out: JSON with its text as text, but a surrogate half the model
+    wrote as an escape and left unpaired kept as that escape (no UTF-8 can carry it)."""
+    return _LONE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(value, ensure_ascii=False))
+
+
+_dumps = canonical
 
 
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")

@@ -15,7 +15,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.text.call_args import CallPart, Head, JsonArgs, XmlArgs, find_head, whole_call
+from engine.text.call_args import (
+    CallPart,
+    Head,
+    JsonArgs,
+    XmlArgs,
+    canonical,
+    find_head,
+    whole_call,
+)
 from engine.text.stream import partial_stop_suffix
 
 DS_CALLS = "<｜tool▁calls▁begin｜>"  # DeepSeek V3.1's markers: fullwidth bars, U+2581 for spaces
@@ -25,7 +33,7 @@ KIMI_CALL_END = "<|tool_call_end|>"
 MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", DS_CALLS, KIMI_CALLS)
 
 def new_call(name: str, arguments: Any) -> dict[str, Any]:
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    args = arguments if isinstance(arguments, str) else canonical(arguments)
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": args}}
 
 
