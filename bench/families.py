@@ -34,6 +34,14 @@ projectors, both servers given the ``--mmproj``):
 - **next turn**: a conversation's second turn about the same image with prompt caching on (this
   service reuses the first turn's KV, image and all), compared as text.
 
+For ``qwen35-mtp`` (the tiny ``qwen35`` with its MTP block, a bigram head right part of the
+time: ``tests/test_speculative_hybrid.py``), both servers draft with the model's MTP layers
+(this service ``speculative: {type: mtp}``, llama-server ``--spec-type draft-mtp``), 4 tokens
+at most:
+
+- **greedy with MTP**: the greedy prompts, compared as text, and each side's drafted and
+  accepted tokens (its metrics; llama-server's ``timings``).
+
 Prints one JSON line a family and a table; exits 1 where any cell differs.
 
     LLAMA_SERVER_BIN=... python -m bench.families [--archs gpt-oss,qwen3moe,qwen2vl]
@@ -300,6 +308,31 @@ def compare(arch: str, ours: str, theirs: str, eos: int | None = None) -> dict:
     return out
 
 
+MTP = "qwen35-mtp"
+MTP_TRUNK = 0.3  # as tests/test_speculative_hybrid.py's
+MTP_N_MAX = 4
+
+
+def compare_mtp(arch: str, ours: str, theirs: str, scrape: Any) -> dict:
+    """Greedy text with MTP drafting on both sides, and the drafted and accepted tokens of each."""
+    out: dict = {"arch": arch, "greedy": [], "answers": []}
+    ls = [0, 0]
+    with httpx.Client(timeout=120) as c:
+        for p in GREEDY_PROMPTS:
+            a = greedy(c, ours, p)
+            r = c.post(theirs + "/v1/completions", json={"prompt": p, "temperature": 0, "max_tokens": 24})
+            r.raise_for_status()
+            b, t = r.json()["choices"][0]["text"], r.json().get("timings", {})
+            ls = [ls[0] + t.get("draft_n", 0), ls[1] + t.get("draft_n_accepted", 0)]
+            out["greedy"].append({"prompt": p, "equal": a == b, **({} if a == b else {"ours": a, "llama-server": b})})
+    m = scrape()
+    mine = [sum(v for (k, _), v in m.items() if k.endswith(f"spec_decode_num_{n}_tokens_total"))
+            for n in ("draft", "accepted")]
+    out["mtp"] = {"ours": {"drafted": mine[0], "accepted": mine[1]},
+                  "llama-server": {"drafted": ls[0], "accepted": ls[1]}}
+    return out
+
+
 def _image(img: bytes) -> dict:
     return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(img).decode()}}
 
@@ -343,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.stack import HttpStack
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--archs", default=",".join([*sorted(FAMILIES), *VL_SHAPES]))
+    p.add_argument("--archs", default=",".join([*sorted(FAMILIES), MTP, *VL_SHAPES]))
     a = p.parse_args(argv)
     shape = FamilyShape()
     results = []
@@ -355,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
                 if vl:
                     path, mmproj = write_qwen_vl(d, arch)
                     n_layer, extra, more = VL_SHAPES[arch].n_layer, ["--mmproj", str(mmproj)], {"mmproj": str(mmproj)}
+                elif arch == MTP:
+                    path = write_family(Path(d) / f"{arch}.gguf", "qwen35", shape, mtp=True, trunk=MTP_TRUNK)
+                    n_layer, more = shape.n_layer, {"speculative": {"type": "mtp", "n_max": MTP_N_MAX, "p_min": 0.0}}
+                    extra = ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(MTP_N_MAX)]
                 else:
                     path = write_family(Path(d) / f"{arch}.gguf", arch, shape)
                     n_layer, extra, more = shape.n_layer, [], {}
@@ -367,7 +404,12 @@ def main(argv: list[str] | None = None) -> int:
                     # llama-server continues a prefilled harmony answer as the final channel's text
                     # (its markup read as content), so gpt-oss's answers are not read that way
                     eos = eos_id(path) if arch != "gpt-oss" else None
-                    r = compare_images(arch, stack.base, ls.base) if vl else compare(arch, stack.base, ls.base, eos)
+                    if vl:
+                        r = compare_images(arch, stack.base, ls.base)
+                    elif arch == MTP:
+                        r = compare_mtp(arch, stack.base, ls.base, stack.scrape)
+                    else:
+                        r = compare(arch, stack.base, ls.base, eos)
                 finally:
                     ls.close()
                 print(json.dumps(r, ensure_ascii=False), flush=True)
@@ -406,6 +448,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{f'{st_ok}/{len(st)}, {per_call:.1f} pieces a call' if st else '-'} | "
               f"{f'{ours_calls}/{len(fc)} vs {ls_calls}/{len(fc)}' if fc else '-'} | "
               f"{f'{fs[0]}/{len(fc)} vs {fs[1]}/{len(fc)}; {fp_text}' if fc else '-'} | {diff} |")
+    for r in results:
+        if "mtp" in r:
+            o, t = r["mtp"]["ours"], r["mtp"]["llama-server"]
+            print(f"\n{r['arch']}, greedy with MTP drafts (n_max {MTP_N_MAX}): accepted/drafted ours "
+                  f"{o['accepted']:.0f}/{o['drafted']:.0f}, llama-server {t['accepted']:.0f}/{t['drafted']:.0f}")
     return 1 if bad else 0
 
 

@@ -54,6 +54,15 @@ class Runner:
         n_all = n_seq + n_kept
         # every sequence, slot or cache entry, gets a slot's share of the KV
         n_ctx = config.n_ctx_per_group // n_seq * n_all if n_kept else config.n_ctx_per_group
+        spec = config.speculative
+        drafting = spec is not None and spec.max_rows > 0 and not config.backend_sampling
+        # a recurrent state takes back a row's rejected drafts from its snapshots, one a token
+        # of the row's end, which llama.cpp keeps in one micro-batch with the token before them
+        n_rs_seq = spec.n_max if drafting and model.recurrent else 0
+        if n_rs_seq and min(config.n_ubatch, n_batch) <= n_rs_seq + 1:
+            raise ValueError(f"speculative n_max {n_rs_seq} on a recurrent or hybrid model needs n_ubatch above "
+                             f"n_max + 1 (n_ubatch {min(config.n_ubatch, n_batch)}): a row's drafts are taken back "
+                             "from its state's snapshots, kept in one micro-batch")
         with ExitStack() as built:
             self.ctx = Context(
                 model,
@@ -65,11 +74,11 @@ class Runner:
                 kv_unified=config.kv_unified,
                 swa_full=config.swa_full,
                 flash_attn=config.flash_attn,
+                n_rs_seq=n_rs_seq,
             )
             built.callback(self.ctx.close)
             self.drafter: NgramDrafter | ModelDrafter | MtpDrafter | None = None
             self.mtp: MtpDrafter | None = None  # the drafter, when it follows the target's KV
-            spec = config.speculative
             if spec is not None and spec.max_rows > 0:
                 if spec.type == "ngram":
                     self.drafter = NgramDrafter(spec)

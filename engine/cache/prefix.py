@@ -113,6 +113,10 @@ class PrefixCache:
         self.n_moved_in = self.n_moved_tokens = self.n_moved_bytes = self.n_moved_out = 0
         # stream copies llama.cpp has queued for the next decode: destination -> source sequence
         self.pending: dict[int, int] = {}
+        # recurrent sequences whose rejected drafts were taken back and whose next decode has
+        # not run: llama.cpp restores their state from its snapshot in that decode, so until
+        # then a copy of their cells would carry the state with the rejected tokens in it
+        self.rolled_back: set[int] = set()
 
     # ---- what a prompt may reuse (no writes) ------------------------------------------------
 
@@ -180,7 +184,10 @@ class PrefixCache:
 
     def keep(self, slot: Slot, n: int) -> int:
         """Keep the first ``n`` tokens of the slot's own KV; returns how many it kept."""
-        return keep_prefix(self.ctx, self.n_swa, slot.seq_id, slot.cache_tokens, n, slot.cache_shifts)
+        kept = keep_prefix(self.ctx, self.n_swa, slot.seq_id, slot.cache_tokens, n, slot.cache_shifts)
+        if not kept:
+            self.rolled_back.discard(slot.seq_id)  # all forgotten
+        return kept
 
     def reuse_from(self, src: Slot, dst: Slot, n: int) -> bool:
         """``copy`` for a new prompt: counts what it reused (from another slot, or from the
@@ -239,7 +246,8 @@ class PrefixCache:
         self.ctx.seq_rm(dst.seq_id, 0, -1)
         dst.cache_tokens.clear()
         dst.cache_shifts.clear()
-        if n <= 0 or not window_holds(self.ctx, self.n_swa, src.seq_id, n, src.cache_shifts):
+        self.rolled_back.discard(dst.seq_id)
+        if n <= 0 or src.seq_id in self.rolled_back or not window_holds(self.ctx, self.n_swa, src.seq_id, n, src.cache_shifts):
             return False
         end = positions.position(src.cache_shifts, n)
         if self.unified:
@@ -273,6 +281,7 @@ class PrefixCache:
         """The decode that just ran put ``tokens`` in the slot's KV (its request's salt's, now):
         text, or with ``n_pos`` a medium's rows that take that many positions."""
         slot.cache_tokens.extend(tokens)
+        self.rolled_back.discard(slot.seq_id)
         if n_pos is not None:
             positions.after_medium(slot.cache_shifts, len(slot.cache_tokens), len(tokens), n_pos)
         if slot.req is not None:
@@ -282,6 +291,8 @@ class PrefixCache:
         """Drop everything from index ``n`` on (rejected draft tokens)."""
         if not self.ctx.seq_rm(slot.seq_id, positions.position(slot.cache_shifts, n), -1):
             raise NativeError(f"removing the tokens of sequence {slot.seq_id} after {n} failed", -1)
+        if self.whole_only:
+            self.rolled_back.add(slot.seq_id)
         del slot.cache_tokens[n:]
         positions.cut(slot.cache_shifts, n)
 
@@ -289,6 +300,7 @@ class PrefixCache:
         """Forget the slot's KV; returns how many tokens it held."""
         n = len(slot.cache_tokens)
         self.ctx.seq_rm(slot.seq_id, 0, -1)
+        self.rolled_back.discard(slot.seq_id)
         slot.cache_tokens.clear()
         slot.cache_shifts.clear()
         return n
@@ -298,6 +310,7 @@ class PrefixCache:
         (of no salt), at the positions ``shifts`` says."""
         slot.cache_tokens[:] = tokens
         slot.cache_shifts[:] = shifts
+        self.rolled_back.discard(slot.seq_id)
         slot.cache_salt = ""
 
 

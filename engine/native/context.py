@@ -36,10 +36,13 @@ class Context:
         embeddings: bool = False,
         pooling: int | None = None,
         mtp: bool = False,
+        n_rs_seq: int = 0,
     ) -> None:
         """``embeddings``: a context that pools each sequence's outputs into one vector
         (``pooling``: a ``LLAMA_POOLING_TYPE_*``; None: the GGUF's). ``mtp``: the context of
-        the model's multi-token-prediction layers (their own KV), for drafting."""
+        the model's multi-token-prediction layers (their own KV), for drafting. ``n_rs_seq``: on
+        a recurrent or hybrid model, each sequence keeps its state after each of the last this
+        many tokens of its last decode, so that many can be taken back once (rejected drafts)."""
         self.model = model
         p = llama_cpp.llama_context_default_params()
         if mtp:
@@ -53,6 +56,7 @@ class Context:
         p.n_batch = n_batch
         p.n_ubatch = min(n_ubatch, n_batch)
         p.n_seq_max = n_seq_max
+        p.n_rs_seq = n_rs_seq
         p.n_threads = n_threads
         p.n_threads_batch = n_threads
         p.kv_unified = kv_unified

@@ -14,7 +14,8 @@ each architecture carries that a llama does not is there:
   a selection bias, with the GLM-4.6 template and its ``[gMASK]<sop>`` preamble;
 - ``qwen35``: Qwen3.5's hybrid, three Gated DeltaNet layers (a recurrent state) before each
   gated attention layer with M-RoPE sections, with the Qwen3.5 template;
-- ``qwen35moe``: the same with routed and shared experts.
+- ``qwen35moe``: the same with routed and shared experts;
+- ``qwen35`` with ``mtp``: its MTP block too, as Qwen3.5's MTP checkpoints carry it.
 
 The logits are peaked (as the synthetic llama's) so that greedy decoding is stable against the
 last-bit differences between batch shapes.
@@ -91,17 +92,24 @@ class FamilyShape:
 ROTATED = {"glm4moe": 2, "qwen35": 4, "qwen35moe": 4}
 
 
-class _Tensors:
-    """Deterministic random tensors into a ``GGUFWriter``, shapes given as ggml's (ne0 first)."""
+# a layer's writes to the residual stream: scaled by ``trunk`` (``write_family``)
+_RESIDUAL = ("attn_output.weight", "ssm_out.weight", "ffn_down.weight")
 
-    def __init__(self, w: object, rng: np.random.Generator) -> None:
-        self.w, self.rng = w, rng
+
+class _Tensors:
+    """Deterministic random tensors into a ``GGUFWriter``, shapes given as ggml's (ne0 first);
+    the trunk's output projections scaled by ``trunk``."""
+
+    def __init__(self, w: object, rng: np.random.Generator, trunk: float = 1.0) -> None:
+        self.w, self.rng, self.trunk = w, rng, trunk
 
     def mat(self, name: str, *ne: int, scale: float | None = None, qtype: str = "f16") -> None:
         import gguf
 
         shape = tuple(reversed(ne))
         data = self.rng.standard_normal(shape, dtype=np.float32) * (scale if scale is not None else 1 / np.sqrt(ne[0]))
+        if name.endswith(_RESIDUAL):
+            data *= self.trunk
         if qtype == "mxfp4":
             t = gguf.GGMLQuantizationType.MXFP4
             self.w.add_tensor(name, gguf.quants.quantize(data, t), raw_dtype=t)
@@ -152,10 +160,12 @@ def _experts(t: _Tensors, s: FamilyShape, i: int, qtype: str = "f16", shared: in
         t.mat(f"blk.{i}.ffn_down_shexp.weight", f * shared, e, scale=0.5 / np.sqrt(f * shared))
 
 
-def _common_hparams(w: object, s: FamilyShape, arch: str) -> None:
+def _common_hparams(w: object, s: FamilyShape, arch: str, n_mtp: int = 0) -> None:
     w.add_context_length(s.n_ctx_train)
     w.add_embedding_length(s.n_embd)
-    w.add_block_count(s.n_layer)
+    w.add_block_count(s.n_layer + n_mtp)  # llama.cpp's block count holds the MTP layers
+    if n_mtp:
+        w.add_nextn_predict_layers(n_mtp)
     w.add_feed_forward_length(s.n_ff)
     w.add_head_count(s.n_head)
     w.add_head_count_kv(s.n_head_kv)
@@ -258,6 +268,21 @@ def _qwen35(w: object, t: _Tensors, s: FamilyShape, moe: bool = False) -> None:
         t.w.add_tensor(f"blk.{i}.ffn_gate_inp_shexp.weight", (t.rng.standard_normal(s.n_embd) / np.sqrt(s.n_embd)).astype(np.float16))
 
 
+def _qwen35_mtp(w: object, t: _Tensors, s: FamilyShape) -> None:
+    """Qwen3.5's MTP block (``blk.{n_layer}``: a full-attention decoder layer and its nextn
+    projection of [norm(next token's embedding), norm(hidden state)]) as a bigram head: its
+    layer adds nothing and the projection keeps the embedding alone, so it drafts the token the
+    model would give after the next one if the trunk added nothing (``trunk`` small: often)."""
+    m, e = s.n_layer, s.n_embd
+    t.vec(f"blk.{m}.attn_norm.weight", e, 1.0)
+    t.vec(f"blk.{m}.post_attention_norm.weight", e, 1.0)
+    _attention(t, s, m, q_gate=True)
+    _dense_ffn(t, s, m)
+    t.w.add_tensor(f"blk.{m}.nextn.eh_proj.weight", np.hstack([np.eye(e), np.zeros((e, e))]).astype(np.float16))
+    t.vec(f"blk.{m}.nextn.enorm.weight", e, 1.0)
+    t.vec(f"blk.{m}.nextn.hnorm.weight", e, 1.0)
+
+
 WRITERS: dict[str, Callable[..., None]] = {
     "gpt-oss": _gpt_oss, "qwen3moe": _qwen3moe, "glm4moe": _glm4moe, "qwen35": _qwen35,
     "qwen35moe": lambda w, t, s: _qwen35(w, t, s, moe=True),
@@ -296,24 +321,31 @@ def write_vocab(w: object, n_vocab: int, extra: list[tuple[str, int]], eos: str,
     w.add_chat_template(chat_template)
 
 
-def write_family(path: str | os.PathLike[str], arch: str, shape: FamilyShape = FamilyShape()) -> Path:
-    """Write a tiny ``arch`` GGUF to ``path`` (atomically)."""
+def write_family(path: str | os.PathLike[str], arch: str, shape: FamilyShape = FamilyShape(), *,
+                 mtp: bool = False, trunk: float = 1.0) -> Path:
+    """Write a tiny ``arch`` GGUF to ``path`` (atomically). ``mtp`` (``qwen35``): with its MTP
+    block, a bigram head (``_qwen35_mtp``); ``trunk``: the scale of what the layers add to
+    the residual stream (below 1, the model's next token is more often the bigram's)."""
     import gguf
 
+    if mtp and arch != "qwen35":
+        raise ValueError(f"an MTP block is written for qwen35 only, not {arch}")
     fam = FAMILIES[arch]
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
     w = gguf.GGUFWriter(str(tmp), arch)
     w.add_name(f"synthetic-{arch}-{shape.n_layer}L-{shape.n_embd}d")
-    _common_hparams(w, shape, arch)
+    _common_hparams(w, shape, arch, n_mtp=int(mtp))
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     write_tokenizer(w, fam, shape.n_vocab)
-    t = _Tensors(w, np.random.default_rng(shape.seed))
+    t = _Tensors(w, np.random.default_rng(shape.seed), trunk)
     t.mat("token_embd.weight", shape.n_embd, shape.n_vocab, scale=1.0)
     WRITERS[arch](w, t, shape)
     t.vec("output_norm.weight", shape.n_embd, 1.0)
     t.mat("output.weight", shape.n_embd, shape.n_vocab, scale=16.0 / np.sqrt(shape.n_embd))
+    if mtp:  # its own numbers: the trunk's are those of the model without it
+        _qwen35_mtp(w, _Tensors(w, np.random.default_rng(shape.seed + 1), 0.0), shape)
     return finish(w, tmp, out)
 
 

@@ -1,0 +1,142 @@
+"""Speculation on a hybrid model (Qwen3.5's Gated DeltaNet layers: a recurrent state that cannot be
+cut at a position): a row's rejected drafts are taken back from the state's snapshots
+(llama.cpp's ``n_rs_seq``), so the output is the model's with every drafter, on the split, and a
+state with rejected tokens in it never reaches the prompt cache.
+
+The models are the tiny ``qwen35`` of ``tests/models/families``, its trunk's additions to the
+residual stream scaled down (``trunk``) so that a bigram drafter (its MTP block, or the same
+model with no trunk as a draft model) is right part of the time: drafts are both accepted and
+rejected, and a rejection is taken back from the middle of a row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from engine import Engine, SamplingParams
+from tests.conftest import engine_factory
+from tests.models.families import write_family
+
+pytestmark = pytest.mark.gpu
+
+TRUNK = 0.3
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+PROMPTS = ["the king said hello to the world", "a dog and a cat went to the house number 12",
+           "hello", "the queen of node 3 answers"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("hybrid-spec")
+    return {"target": str(write_family(d / "qwen35-mtp.gguf", "qwen35", mtp=True, trunk=TRUNK)),
+            "bigram": str(write_family(d / "qwen35-bigram.gguf", "qwen35", trunk=0.0))}
+
+
+@pytest.fixture
+def make(models: dict[str, str]) -> Iterator[Callable[..., Engine]]:
+    yield from engine_factory(model=models["target"], n_parallel=4, n_ctx=4 * 1024, n_threads=1, repack=False)
+
+
+def spec_of(kind: str, models: dict[str, str]) -> dict:
+    base = {"n_max": 4, "p_min": 0.0, "max_rows": 8}
+    return {"mtp": {"type": "mtp", **base}, "draft": {"type": "draft", "model": models["bigram"], **base},
+            "ngram": {"type": "ngram", "max_rows": 8, "n_max": 4}}[kind]
+
+
+def run(e: Engine, prompts: list[str], params: SamplingParams = GREEDY) -> list[list[int]]:
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        return list(ex.map(lambda p: [t for o in e.stream(p, params) for t in o.tokens], prompts))
+
+
+def totals(e: Engine) -> tuple[int, int]:
+    return sum(p.drafted for p in e.profiles()), sum(p.accepted for p in e.profiles())
+
+
+def check_kv(e: Engine) -> None:
+    """Each slot's recorded tokens end where its sequence's state ends."""
+    for g in e.groups:
+        for s in g.slots:
+            if s.cache_tokens:
+                assert g.ctx.seq_pos_max(s.seq_id) == len(s.cache_tokens) - 1, (g.index, s.id)
+
+
+@pytest.mark.parametrize("kind", ["mtp", "draft"])
+def test_greedy_output_is_the_models_with_drafts_taken_back_from_a_recurrent_state(make, models, kind):
+    want = run(make(), PROMPTS)
+    spec = make(speculative=spec_of(kind, models))
+    got = run(spec, PROMPTS)
+    assert got == want
+    check_kv(spec)
+    drafted, accepted = totals(spec)
+    # drafts were accepted (the bigram is right part of the time) and rejected: the state went
+    # back from the middle of a row, and the answers are still the model's
+    assert 0 < accepted < drafted, (drafted, accepted)
+    assert run(spec, PROMPTS) == want  # again, each prompt's state now in the cache
+
+
+def test_mtp_on_the_split_with_two_groups_gives_the_models_tokens(make, models, rpc_endpoint):
+    want = run(make(), PROMPTS)
+    split = make(pipeline_groups=2, rpc_endpoints=[rpc_endpoint], peer_layers=2, speculative=spec_of("mtp", models))
+    assert run(split, PROMPTS) == want  # the recurrent layers and their snapshots on the peer
+    drafted, accepted = totals(split)
+    assert 0 < accepted < drafted
+    check_kv(split)
+    for g in split.groups:
+        for s in g.slots:
+            if s.cache_tokens:
+                assert g.runner.mtp.ctx.seq_pos_max(s.seq_id) == g.ctx.seq_pos_max(s.seq_id)
+
+
+def ended_on_a_rejection(e: Engine, prompt: str) -> list[int]:
+    """What the slot holds after an answer to ``prompt`` whose last step rejected drafts: one
+    stopped by a stop string in that step (an answer cut by ``max_tokens`` never is: its last
+    step drafts no further than its end). Greedy, so the same every run."""
+    g = e.groups[0]
+    pieces = [o.text for o in e.stream(prompt, GREEDY) if o.text.strip()]
+    for word in dict.fromkeys(p.strip() for p in pieces):
+        answer = e.generate(prompt, GREEDY.model_copy(update={"stop": [word]}))
+        if g.prefix.rolled_back and answer.final.stop_word == word:
+            return list(g.slots[0].cache_tokens)
+    pytest.fail("no answer ended on a rejected draft")
+
+
+def test_an_answer_that_ended_on_a_rejection_leaves_no_rejected_token_in_any_cached_state(make, models):
+    """The last step of an answer rejected drafts: its slot's state is taken back only when that
+    sequence next decodes. A prompt continuing it reuses it, and a prompt that evicts it to the
+    prompt cache never copies the state before it is taken back; both answer as a cold engine."""
+    spec = make(n_parallel=1, speculative=spec_of("mtp", models))
+    cold = make(n_parallel=1, cache_prompt=False)
+    prompt = " ".join(PROMPTS)  # long enough for the prompt cache to keep
+    more = spec.tokenizer.encode(" and then", add_special=False)
+    nxt = ended_on_a_rejection(spec, prompt) + more
+    got = spec.generate(nxt, GREEDY)
+    assert got.final.cached_tokens == len(nxt) - len(more)  # the slot's own state, taken back
+    assert got.tokens == cold.generate(nxt, GREEDY).tokens
+    check_kv(spec)
+
+    nxt = ended_on_a_rejection(spec, prompt) + more
+    spec.generate(PROMPTS[1], GREEDY)  # takes the slot: what it held would go to the prompt cache
+    assert spec.generate(nxt, GREEDY).tokens == cold.generate(nxt, GREEDY).tokens
+    check_kv(spec)
+
+
+def test_ngram_drafts_on_a_hybrid_model_keep_its_output(make, models):
+    # a prompt that repeats: the n-gram drafter proposes its continuation, mostly wrongly
+    prompts = [" ".join(["the king said hello to the world"] * 4), " ".join(["a dog and a cat"] * 5)]
+    want = run(make(), prompts)
+    spec = make(speculative=spec_of("ngram", models))
+    assert run(spec, prompts) == want
+    check_kv(spec)
+
+
+def test_micro_batches_too_small_for_a_rows_snapshots_are_refused_and_the_smallest_serves(make, models):
+    with pytest.raises(ValueError, match="n_ubatch above n_max"):
+        make(n_ubatch=5, speculative=spec_of("mtp", models))
+    # the smallest that holds a row's end: prompts are split around the rows' snapshots
+    want = run(make(), PROMPTS)
+    small = make(n_ubatch=6, speculative=spec_of("mtp", models))
+    assert run(small, PROMPTS) == want
+    check_kv(small)
