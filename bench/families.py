@@ -40,7 +40,8 @@ time: ``tests/test_speculative_hybrid.py``), both servers draft with the model's
 at most:
 
 - **greedy with MTP**: the greedy prompts, compared as text, and each side's drafted and
-  accepted tokens (its metrics; llama-server's ``timings``).
+  accepted tokens (its metrics; llama-server's ``timings``), which must be equal: every row
+  drafts at every step on both sides (``backoff: false``), so the drafts are the same.
 
 Prints one JSON line a family and a table; exits 1 where any cell differs.
 
@@ -330,6 +331,8 @@ def compare_mtp(arch: str, ours: str, theirs: str, scrape: Any) -> dict:
             for n in ("draft", "accepted")]
     out["mtp"] = {"ours": {"drafted": mine[0], "accepted": mine[1]},
                   "llama-server": {"drafted": ls[0], "accepted": ls[1]}}
+    # the same drafts, so the same tokens drafted and accepted
+    out["answers"].append({"fixture": "MTP drafted and accepted", "equal": [int(x) for x in mine] == ls})
     return out
 
 
@@ -390,7 +393,9 @@ def main(argv: list[str] | None = None) -> int:
                     n_layer, extra, more = VL_SHAPES[arch].n_layer, ["--mmproj", str(mmproj)], {"mmproj": str(mmproj)}
                 elif arch == MTP:
                     path = write_family(Path(d) / f"{arch}.gguf", "qwen35", shape, mtp=True, trunk=MTP_TRUNK)
-                    n_layer, more = shape.n_layer, {"speculative": {"type": "mtp", "n_max": MTP_N_MAX, "p_min": 0.0}}
+                    # every row drafts at every step, as llama-server's drafts
+                    n_layer, more = shape.n_layer, {"speculative": {"type": "mtp", "n_max": MTP_N_MAX, "p_min": 0.0,
+                                                                    "backoff": False}}
                     extra = ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(MTP_N_MAX)]
                 else:
                     path = write_family(Path(d) / f"{arch}.gguf", arch, shape)

@@ -35,6 +35,11 @@ class SpeculativeConfig(BaseModel):
         "(make bench-spec measures it). 0: never.",
     )
     draft_threads: int = Field(default=0, ge=0, description="type draft: threads of the draft context; 0: the local threads.")
+    backoff: bool = Field(
+        default=True,
+        description="A row whose drafts were all rejected waits 1, 2, 4 ... up to 32 steps before drafting "
+        "again (fewer rows verified in vain); false: every row drafts at every step, as llama-server does.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:

@@ -168,7 +168,7 @@ def draft_requests(gen: list[Slot], spec: SpeculativeConfig, n_ctx_slot: int) ->
             continue  # a draft model, or MTP layers, never saw a medium's rows
         # the last verified row is the request's last token: never draft past n_predict
         limit = min(spec.n_max, s.req.n_predict - s.n_generated - 1, n_ctx_slot - len(s.cache_tokens) - 1)
-        if limit >= spec.n_min and s.spec.wants():
+        if limit >= spec.n_min and (s.spec.wants() or not spec.backoff):
             rows.append((s, [*s.cache_tokens, s.last_token], limit))
     return rows
 

@@ -140,3 +140,16 @@ def test_micro_batches_too_small_for_a_rows_snapshots_are_refused_and_the_smalle
     small = make(n_ubatch=6, speculative=spec_of("mtp", models))
     assert run(small, PROMPTS) == want
     check_kv(small)
+
+
+def test_without_backoff_every_row_drafts_at_every_step_as_llama_server(make, models):
+    want = run(make(), PROMPTS)
+    steps = {}
+    for backoff in (True, False):
+        e = make(speculative={**spec_of("mtp", models), "backoff": backoff})
+        assert run(e, PROMPTS) == want
+        drafted, accepted = totals(e)
+        steps[backoff] = (sum(p.drafts for p in e.profiles()), drafted, accepted)
+    # a row backs off after drafts all rejected; without, it drafts again the next step: more
+    # drafts, more accepted (make families: the same counts as llama-server's draft-mtp)
+    assert steps[False][0] > steps[True][0] and steps[False][2] > steps[True][2], steps
