@@ -270,15 +270,18 @@ def _qwen35(w: object, t: _Tensors, s: FamilyShape, moe: bool = False) -> None:
 
 def _qwen35_mtp(w: object, t: _Tensors, s: FamilyShape) -> None:
     """Qwen3.5's MTP block (``blk.{n_layer}``: a full-attention decoder layer and its nextn
-    projection of [norm(next token's embedding), norm(hidden state)]) as a bigram head: its
-    layer adds nothing and the projection keeps the embedding alone, so it drafts the token the
-    model would give after the next one if the trunk added nothing (``trunk`` small: often)."""
+    projection of [norm(next token's embedding), norm(hidden state)]) as a bigram head: the
+    projection keeps the embedding, so it drafts the token the model would give after the next
+    one if the trunk added nothing (``trunk`` small: often), nudged by the hidden state it is
+    paired with and by its layer's attention over its own KV (a draft depends on both being the
+    right ones)."""
     m, e = s.n_layer, s.n_embd
     t.vec(f"blk.{m}.attn_norm.weight", e, 1.0)
     t.vec(f"blk.{m}.post_attention_norm.weight", e, 1.0)
     _attention(t, s, m, q_gate=True)
     _dense_ffn(t, s, m)
-    t.w.add_tensor(f"blk.{m}.nextn.eh_proj.weight", np.hstack([np.eye(e), np.zeros((e, e))]).astype(np.float16))
+    nudge = t.rng.standard_normal((e, e), dtype=np.float32) * (0.2 / np.sqrt(e))
+    t.w.add_tensor(f"blk.{m}.nextn.eh_proj.weight", np.hstack([np.eye(e), nudge]).astype(np.float16))
     t.vec(f"blk.{m}.nextn.enorm.weight", e, 1.0)
     t.vec(f"blk.{m}.nextn.hnorm.weight", e, 1.0)
 
@@ -344,8 +347,8 @@ def write_family(path: str | os.PathLike[str], arch: str, shape: FamilyShape = F
     WRITERS[arch](w, t, shape)
     t.vec("output_norm.weight", shape.n_embd, 1.0)
     t.mat("output.weight", shape.n_embd, shape.n_vocab, scale=16.0 / np.sqrt(shape.n_embd))
-    if mtp:  # its own numbers: the trunk's are those of the model without it
-        _qwen35_mtp(w, _Tensors(w, np.random.default_rng(shape.seed + 1), 0.0), shape)
+    if mtp:  # its own numbers (the trunk's are those of the model without it); its layer adds half
+        _qwen35_mtp(w, _Tensors(w, np.random.default_rng(shape.seed + 1), 0.5), shape)
     return finish(w, tmp, out)
 
 
