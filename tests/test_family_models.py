@@ -6,6 +6,7 @@ recurrent state, experts)."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -72,11 +73,33 @@ def test_the_template_is_the_familys_and_its_markup_is_one_token_each(family, ma
     assert e.tokenizer.is_eog(e.tokenizer.encode(fam.eos, add_special=False)[0])
 
 
+def cpu_llama(path: str, **kw: object) -> llama_cpp.Llama:
+    """llama-cpp-python's ``Llama`` on this node's CPU alone: with no devices given, llama.cpp
+    takes every registered one, and asks each for its memory; an RPC device an earlier test
+    registered whose server is gone aborts the process there."""
+    from llama_cpp import llama_cpp as lib
+
+    from engine.native.devices import resolve_devices
+
+    devices, default = resolve_devices(["CPU"]), lib.llama_model_default_params
+
+    def params() -> object:
+        p = default()
+        p.devices = ctypes.cast(devices, ctypes.c_void_p)
+        return p
+
+    lib.llama_model_default_params = params
+    try:
+        return llama_cpp.Llama(path, **kw)
+    finally:
+        lib.llama_model_default_params = default
+
+
 @pytest.fixture(scope="module")
 def oracle(family: tuple[str, str]) -> Iterator[Callable[[list[int], list[int], list[int]], float]]:
     """``gap(prompt, a, b)``: 0 where the answers are equal, else the difference of llama.cpp's
     own logits (one sequence, unsplit) between the two tokens where they part: a near tie."""
-    llm = llama_cpp.Llama(family[1], n_ctx=2048, n_threads=2, flash_attn=False, logits_all=True, verbose=False)
+    llm = cpu_llama(family[1], n_ctx=2048, n_threads=2, flash_attn=False, logits_all=True, verbose=False)
 
     def gap(prompt: list[int], a: list[int], b: list[int]) -> float:
         if a == b:
