@@ -132,6 +132,23 @@ def test_ngram_drafts_on_a_hybrid_model_keep_its_output(make, models):
     check_kv(spec)
 
 
+def test_a_recurrent_draft_model_follows_the_history_without_evaluating_it_again(make, models):
+    """The draft model is a hybrid too: its slot sequences never take a draft (the drafts after a
+    row's first go in a scratch copy), so each step feeds it only what the history gained."""
+    prompt = " ".join(PROMPTS * 5)
+    want = make().generate(prompt, GREEDY)
+    e = make(speculative=spec_of("draft", models))
+    got = e.generate(prompt, GREEDY)
+    assert got.tokens == want.tokens
+    drafter = e.groups[0].runner.drafter
+    drafted, accepted = totals(e)
+    assert 0 < accepted < drafted
+    # the prompt once, each generated token once, the drafts: not the history at every step
+    assert drafter.n_fed <= got.final.prompt_tokens + got.final.completion_tokens + drafted, drafter.n_fed
+    for s in e.groups[0].slots:  # the scratch copies are gone
+        assert e.groups[0].runner.drafter.ctx.seq_pos_max(s.seq_id + drafter.n_seq) == -1
+
+
 def test_micro_batches_too_small_for_a_rows_snapshots_are_refused_and_the_smallest_serves(make, models):
     with pytest.raises(ValueError, match="n_ubatch above n_max"):
         make(n_ubatch=5, speculative=spec_of("mtp", models))

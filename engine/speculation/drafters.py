@@ -74,7 +74,15 @@ class NgramDrafter:
 
 
 class ModelDrafter:
-    """One draft context per group (the draft model is loaded once per engine)."""
+    """One draft context per group (the draft model is loaded once per engine).
+
+    A draft model whose state cannot be cut (recurrent or hybrid: a small Qwen3.5 for a large
+    one) never puts a draft in a slot's own sequence: that sequence follows the row's history
+    alone, and each step's drafts after the first are decoded in a scratch sequence of its own
+    (``seq + n_seq``), a copy of the slot's taken at the row's last token (in device memory: the
+    recurrent state's cell, and the KV's cells in one shared stream) and dropped after. Without
+    it the sequence could not go back past the drafts, and the history would be evaluated again
+    at every step."""
 
     kind = "draft"
 
@@ -86,10 +94,17 @@ class ModelDrafter:
         self.cfg = cfg
         self.model = model
         self.n_vocab = model.n_vocab
-        self.ctx = Context(model, n_ctx=n_ctx, n_seq_max=n_seq, n_batch=n_batch, n_ubatch=n_batch,
-                           n_threads=n_threads, flash_attn=flash_attn)
+        self.n_seq = n_seq
+        self.scratch = bool(model.recurrent)
+        if self.scratch:  # one stream (a copy is metadata), room for every row's drafts beside
+            self.ctx = Context(model, n_ctx=n_ctx + n_seq * (cfg.n_max + 1), n_seq_max=2 * n_seq, n_batch=n_batch,
+                               n_ubatch=n_batch, n_threads=n_threads, flash_attn=flash_attn, kv_unified=True)
+        else:
+            self.ctx = Context(model, n_ctx=n_ctx, n_seq_max=n_seq, n_batch=n_batch, n_ubatch=n_batch,
+                               n_threads=n_threads, flash_attn=flash_attn)
         self.batch = Batch(n_batch)
         self.tokens: list[list[int]] = [[] for _ in range(n_seq)]  # per sequence: tokens in the KV
+        self.n_fed = 0  # tokens decoded, drafts included (what the drafter costs)
 
     def _sync(self, seq: int, history: list[int]) -> list[int]:
         """Trim the sequence's KV to its common prefix with ``history``; returns the tokens of
@@ -99,6 +114,7 @@ class ModelDrafter:
         return history[keep_prefix(self.ctx, self.model.n_swa, seq, have, k):]
 
     def _decode(self) -> None:
+        self.n_fed += self.batch.n_tokens
         self.ctx.decode(self.batch)
 
     def draft(self, rows: list[tuple[object, list[int], int]]) -> list[list[int]]:
@@ -120,32 +136,46 @@ class ModelDrafter:
         if b.free < len(rows):
             self._decode()
             b.clear()
-        live = [(i, seq, feed[-1]) for i, seq, feed in feeds]
-        while live:
-            for _, seq, tok in live:
-                b.add([tok], len(self.tokens[seq]), seq, True)
-                self.tokens[seq].append(tok)
-            self._decode()
-            b.clear()
-            logits = self.ctx.logits(len(live), self.n_vocab)
-            nxt = []
-            for j, (i, seq, _) in enumerate(live):
-                row = logits[j]
-                t = int(np.argmax(row))
-                if cfg.p_min > 0.0:
-                    p = 1.0 / float(np.exp(row - row[t]).sum())
-                    if p < cfg.p_min:
-                        continue
-                drafts[i].append(t)
-                if len(drafts[i]) < rows[i][2]:
-                    nxt.append((i, seq, t))
-            live = nxt
+        # (row, the slot's sequence, the sequence decoded, token, position): the row's last
+        # token goes into the slot's sequence, which keeps it (it is the history's)
+        live = [(i, seq, seq, feed[-1], len(self.tokens[seq])) for i, seq, feed in feeds]
+        used: list[int] = []
+        try:
+            while live:
+                for _, seq, at, tok, pos in live:
+                    b.add([tok], pos, at, True)
+                    if at == seq:
+                        self.tokens[seq].append(tok)
+                self._decode()
+                b.clear()
+                logits = self.ctx.logits(len(live), self.n_vocab)
+                nxt = []
+                for j, (i, seq, at, _, pos) in enumerate(live):
+                    row = logits[j]
+                    t = int(np.argmax(row))
+                    if cfg.p_min > 0.0:
+                        p = 1.0 / float(np.exp(row - row[t]).sum())
+                        if p < cfg.p_min:
+                            continue
+                    drafts[i].append(t)
+                    if len(drafts[i]) < rows[i][2]:
+                        if self.scratch and at == seq:  # the drafts go on in a copy
+                            at = seq + self.n_seq
+                            self.ctx.seq_cp(seq, at)
+                            used.append(at)
+                        nxt.append((i, seq, at, t, pos + 1))
+                live = nxt
+        finally:
+            for at in used:
+                self.ctx.seq_rm(at, 0, -1)
         return drafts
 
     def reset(self) -> None:
         """Forget every sequence (after a failed decode, the KV is not what ``tokens`` says)."""
         for seq, toks in enumerate(self.tokens):
             self.ctx.seq_rm(seq, 0, -1)
+            if self.scratch:
+                self.ctx.seq_rm(seq + self.n_seq, 0, -1)
             toks.clear()
 
     def close(self) -> None:
