@@ -34,14 +34,16 @@ projectors, both servers given the ``--mmproj``):
 - **next turn**: a conversation's second turn about the same image with prompt caching on (this
   service reuses the first turn's KV, image and all), compared as text.
 
-For ``qwen35-mtp`` (the tiny ``qwen35`` with its MTP block, a bigram head right part of the
-time: ``tests/test_speculative_hybrid.py``), both servers draft with the model's MTP layers
+For ``qwen35-mtp`` and ``glm4moe-mtp`` (the tiny ``qwen35`` and ``glm4moe`` with their MTP
+block, a bigram head right part of the time: ``tests/test_speculative_hybrid.py``,
+``tests/test_mtp.py``), both servers draft with the model's MTP layers
 (this service ``speculative: {type: mtp}``, llama-server ``--spec-type draft-mtp``), 4 tokens
 at most:
 
 - **greedy with MTP**: the greedy prompts, compared as text, and each side's drafted and
   accepted tokens (its metrics; llama-server's ``timings``), which must be equal: every row
-  drafts at every step on both sides (``backoff: false``), so the drafts are the same.
+  drafts at every step on both sides (``backoff: false``), and no prompt is reused, so the
+  drafts are the same.
 
 Prints one JSON line a family and a table; exits 1 where any cell differs.
 
@@ -309,7 +311,7 @@ def compare(arch: str, ours: str, theirs: str, eos: int | None = None) -> dict:
     return out
 
 
-MTP = "qwen35-mtp"
+MTP = {"qwen35-mtp": "qwen35", "glm4moe-mtp": "glm4moe"}  # the families' MTP blocks
 MTP_TRUNK = 0.3  # as tests/test_speculative_hybrid.py's
 MTP_N_MAX = 4
 
@@ -318,11 +320,16 @@ def compare_mtp(arch: str, ours: str, theirs: str, scrape: Any) -> dict:
     """Greedy text with MTP drafting on both sides, and the drafted and accepted tokens of each."""
     out: dict = {"arch": arch, "greedy": [], "answers": []}
     ls = [0, 0]
+    # no prompt reuse: the first row after a reused prefix has no hidden state of the position
+    # before it at hand on either side (this service pairs it with zeros, llama-server with the
+    # slot's last one), so the drafts there differ by design, not by the drafting
+    body = {"temperature": 0, "max_tokens": 24, "cache_prompt": False}
     with httpx.Client(timeout=120) as c:
         for p in GREEDY_PROMPTS:
-            a = greedy(c, ours, p)
-            r = c.post(theirs + "/v1/completions", json={"prompt": p, "temperature": 0, "max_tokens": 24})
+            a, r = (c.post(base + "/v1/completions", json={"prompt": p, **body}) for base in (ours, theirs))
+            a.raise_for_status()
             r.raise_for_status()
+            a = a.json()["choices"][0]["text"]
             b, t = r.json()["choices"][0]["text"], r.json().get("timings", {})
             ls = [ls[0] + t.get("draft_n", 0), ls[1] + t.get("draft_n_accepted", 0)]
             out["greedy"].append({"prompt": p, "equal": a == b, **({} if a == b else {"ours": a, "llama-server": b})})
@@ -379,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.stack import HttpStack
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--archs", default=",".join([*sorted(FAMILIES), MTP, *VL_SHAPES]))
+    p.add_argument("--archs", default=",".join([*sorted(FAMILIES), *MTP, *VL_SHAPES]))
     a = p.parse_args(argv)
     shape = FamilyShape()
     results = []
@@ -391,8 +398,8 @@ def main(argv: list[str] | None = None) -> int:
                 if vl:
                     path, mmproj = write_qwen_vl(d, arch)
                     n_layer, extra, more = VL_SHAPES[arch].n_layer, ["--mmproj", str(mmproj)], {"mmproj": str(mmproj)}
-                elif arch == MTP:
-                    path = write_family(Path(d) / f"{arch}.gguf", "qwen35", shape, mtp=True, trunk=MTP_TRUNK)
+                elif arch in MTP:
+                    path = write_family(Path(d) / f"{arch}.gguf", MTP[arch], shape, mtp=True, trunk=MTP_TRUNK)
                     # every row drafts at every step, as llama-server's drafts
                     n_layer, more = shape.n_layer, {"speculative": {"type": "mtp", "n_max": MTP_N_MAX, "p_min": 0.0,
                                                                     "backoff": False}}
@@ -411,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                     eos = eos_id(path) if arch != "gpt-oss" else None
                     if vl:
                         r = compare_images(arch, stack.base, ls.base)
-                    elif arch == MTP:
+                    elif arch in MTP:
                         r = compare_mtp(arch, stack.base, ls.base, stack.scrape)
                     else:
                         r = compare(arch, stack.base, ls.base, eos)

@@ -295,3 +295,31 @@ def test_no_drafts_above_max_rows(make_mtp):
         list(ex.map(lambda p: run(busy, p, GREEDY), prompts))
     assert totals(busy)[0] > 3 * drafts  # the same load under a higher threshold drafts
     assert make_mtp(n_parallel=1, speculative={**MTP, "max_rows": 0}).groups[0].runner.mtp is None
+
+
+# ---- the families' own MTP blocks ------------------------------------------------------------------
+
+
+def test_glm_s_mtp_block_drafts_on_the_split_with_two_groups_and_keeps_the_output(tmp_path, rpc_endpoint):
+    """GLM-4.5 / 4.6's MTP block (an MoE decoder layer, as its checkpoints carry it) on the tiny
+    ``glm4moe``: drafts accepted and rejected, greedy as without them, four rows at once over two
+    groups on the split. (Qwen3.5's, on a hybrid: tests/test_speculative_hybrid.py.)"""
+    from tests.conftest import engine_factory
+    from tests.models.families import write_family
+
+    path = str(write_family(tmp_path / "glm4moe-mtp.gguf", "glm4moe", mtp=True, trunk=0.3))
+    prompts = [f"the {w} of the pipeline node number {i} said" for i, w in enumerate(["king", "queen", "dog", "cat"])]
+    gen = engine_factory(model=path, n_parallel=4, n_ctx=4096, n_threads=1, repack=False)
+    make = next(gen)
+    try:
+        plain = make()
+        want = [run(plain, p, GREEDY)[0] for p in prompts]
+        spec = make(pipeline_groups=2, rpc_endpoints=[rpc_endpoint], peer_layers=2, speculative=MTP)
+        with ThreadPoolExecutor(4) as ex:
+            got = list(ex.map(lambda p: run(spec, p, GREEDY)[0], prompts))
+        assert got == want
+        check_mtp_kv(spec)
+        _, drafted, accepted = totals(spec)
+        assert 0 < accepted < drafted, (drafted, accepted)
+    finally:
+        next(gen, None)

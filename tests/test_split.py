@@ -233,3 +233,12 @@ def test_the_process_holds_one_ggml_and_a_model_without_devices_stays_local(make
         assert m.layer_devices and not any(d.startswith("RPC") for d in m.layer_devices.values()), m.layer_devices
     finally:
         m.close()
+
+
+def test_an_rpc_server_is_not_started_on_a_port_another_process_listens_on(rpc_endpoint):
+    """A port taken (an RPC server left running) is refused by name, not taken for the new
+    server: that one could not bind it, and the engine would talk to the other."""
+    from deployments.stage import server as rpc_server
+
+    with pytest.raises(RuntimeError, match="taken"):
+        rpc_server.launch("127.0.0.1", RPC_PORT, threads=1)

@@ -53,7 +53,7 @@ class RpcStage:
         with self._lock:
             # the server prints a line per connection; keep only its errors
             self.proc = subprocess.Popen(
-                self.cmd, env=dict(os.environ), stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent
+                self.cmd, env=dict(os.environ), stdout=subprocess.DEVNULL, preexec_fn=rpc_server.die_with_parent
             )
             self.started_at = time.monotonic()
         log.info("rpc stage pid %d: %s", self.proc.pid, " ".join(self.cmd))
@@ -141,16 +141,6 @@ def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Linux: the server gets SIGKILL when the actor process exits, however it exits."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    except OSError:
-        pass
 
 
 def _node_ips_with(resource: str) -> list[str]:

@@ -67,13 +67,34 @@ def private_dir(path: str) -> str:
     return p
 
 
+def die_with_parent() -> None:
+    """Linux: the server gets SIGKILL when the process (the thread) that started it ends, however
+    it ends."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except OSError:
+        pass
+
+
 def launch(host: str, port: int, threads: int = 1, timeout_s: float = 60.0,
            preexec_fn: Callable[[], None] | None = None, **kw: object) -> subprocess.Popen:
     """Start a server process and return once it listens (read from the kernel, not by connecting:
-    the server serves one client at a time, and a probe would queue behind the engine)."""
+    the server serves one client at a time, and a probe would queue behind the engine). A port
+    another process listens on already is refused: the new server could not bind it, and what
+    listens there would be taken for it. The server dies with the process that started it."""
+
+    if port_listening(port):
+        raise RuntimeError(f"port {port} is taken: another process listens there (an RPC server left running?)")
+
+    def before_exec() -> None:
+        die_with_parent()
+        if preexec_fn is not None:
+            preexec_fn()
 
     proc = subprocess.Popen(command(host, port, threads, **kw), stdout=subprocess.DEVNULL,  # type: ignore[arg-type]
-                            preexec_fn=preexec_fn)
+                            preexec_fn=before_exec)
     deadline = time.monotonic() + timeout_s
     while not port_listening(port):
         if proc.poll() is not None or time.monotonic() > deadline:

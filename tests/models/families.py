@@ -15,7 +15,7 @@ each architecture carries that a llama does not is there:
 - ``qwen35``: Qwen3.5's hybrid, three Gated DeltaNet layers (a recurrent state) before each
   gated attention layer with M-RoPE sections, with the Qwen3.5 template;
 - ``qwen35moe``: the same with routed and shared experts;
-- ``qwen35`` with ``mtp``: its MTP block too, as Qwen3.5's MTP checkpoints carry it.
+- ``qwen35`` and ``glm4moe`` with ``mtp``: their MTP block too, as their checkpoints carry it.
 
 The logits are peaked (as the synthetic llama's) so that greedy decoding is stable against the
 last-bit differences between batch shapes.
@@ -93,7 +93,8 @@ ROTATED = {"glm4moe": 2, "qwen35": 4, "qwen35moe": 4}
 
 
 # a layer's writes to the residual stream: scaled by ``trunk`` (``write_family``)
-_RESIDUAL = ("attn_output.weight", "ssm_out.weight", "ffn_down.weight")
+_RESIDUAL = ("attn_output.weight", "ssm_out.weight", "ffn_down.weight", "ffn_down_exps.weight",
+             "ffn_down_shexp.weight")
 
 
 class _Tensors:
@@ -217,17 +218,21 @@ def _glm4moe(w: object, t: _Tensors, s: FamilyShape) -> None:
     w.add_expert_weights_norm(True)
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # as GLM-4.5's router
     for i in range(s.n_layer):
-        t.vec(f"blk.{i}.attn_norm.weight", s.n_embd, 1.0)
-        _attention(t, s, i, bias=False)
-        for name, n in (("attn_q", s.n_head * s.head_dim), ("attn_k", s.n_head_kv * s.head_dim),
-                        ("attn_v", s.n_head_kv * s.head_dim)):
-            t.vec(f"blk.{i}.{name}.bias", n)
-        t.vec(f"blk.{i}.post_attention_norm.weight", s.n_embd, 1.0)
-        if i == 0:
-            _dense_ffn(t, s, i)
-            continue
-        _experts(t, s, i, shared=1)
-        t.vec(f"blk.{i}.exp_probs_b.bias", s.n_expert)
+        _glm4moe_layer(t, s, i)
+
+
+def _glm4moe_layer(t: _Tensors, s: FamilyShape, i: int) -> None:
+    t.vec(f"blk.{i}.attn_norm.weight", s.n_embd, 1.0)
+    _attention(t, s, i, bias=False)
+    for name, n in (("attn_q", s.n_head * s.head_dim), ("attn_k", s.n_head_kv * s.head_dim),
+                    ("attn_v", s.n_head_kv * s.head_dim)):
+        t.vec(f"blk.{i}.{name}.bias", n)
+    t.vec(f"blk.{i}.post_attention_norm.weight", s.n_embd, 1.0)
+    if i == 0:
+        _dense_ffn(t, s, i)
+        return
+    _experts(t, s, i, shared=1)
+    t.vec(f"blk.{i}.exp_probs_b.bias", s.n_expert)
 
 
 def _qwen35(w: object, t: _Tensors, s: FamilyShape, moe: bool = False) -> None:
@@ -268,23 +273,29 @@ def _qwen35(w: object, t: _Tensors, s: FamilyShape, moe: bool = False) -> None:
         t.w.add_tensor(f"blk.{i}.ffn_gate_inp_shexp.weight", (t.rng.standard_normal(s.n_embd) / np.sqrt(s.n_embd)).astype(np.float16))
 
 
-def _qwen35_mtp(w: object, t: _Tensors, s: FamilyShape) -> None:
-    """Qwen3.5's MTP block (``blk.{n_layer}``: a full-attention decoder layer and its nextn
-    projection of [norm(next token's embedding), norm(hidden state)]) as a bigram head: the
+def _mtp(arch: str, t: _Tensors, s: FamilyShape) -> None:
+    """The MTP block of Qwen3.5 or GLM-4.5 (``blk.{n_layer}``: a decoder layer as the family's
+    full-attention ones, GLM's with experts, and its nextn projection of [norm(next token's
+    embedding), norm(hidden state)]) as a bigram head: the
     projection keeps the embedding, so it drafts the token the model would give after the next
     one if the trunk added nothing (``trunk`` small: often), nudged by the hidden state it is
     paired with and by its layer's attention over its own KV (a draft depends on both being the
     right ones)."""
     m, e = s.n_layer, s.n_embd
-    t.vec(f"blk.{m}.attn_norm.weight", e, 1.0)
-    t.vec(f"blk.{m}.post_attention_norm.weight", e, 1.0)
-    _attention(t, s, m, q_gate=True)
-    _dense_ffn(t, s, m)
+    if arch == "glm4moe":
+        _glm4moe_layer(t, s, m)
+    else:
+        t.vec(f"blk.{m}.attn_norm.weight", e, 1.0)
+        t.vec(f"blk.{m}.post_attention_norm.weight", e, 1.0)
+        _attention(t, s, m, q_gate=True)
+        _dense_ffn(t, s, m)
     nudge = t.rng.standard_normal((e, e), dtype=np.float32) * (0.2 / np.sqrt(e))
     t.w.add_tensor(f"blk.{m}.nextn.eh_proj.weight", np.hstack([np.eye(e), nudge]).astype(np.float16))
     t.vec(f"blk.{m}.nextn.enorm.weight", e, 1.0)
     t.vec(f"blk.{m}.nextn.hnorm.weight", e, 1.0)
 
+
+MTP_ARCHS = ("qwen35", "glm4moe")  # the families here whose checkpoints carry an MTP block
 
 WRITERS: dict[str, Callable[..., None]] = {
     "gpt-oss": _gpt_oss, "qwen3moe": _qwen3moe, "glm4moe": _glm4moe, "qwen35": _qwen35,
@@ -326,13 +337,13 @@ def write_vocab(w: object, n_vocab: int, extra: list[tuple[str, int]], eos: str,
 
 def write_family(path: str | os.PathLike[str], arch: str, shape: FamilyShape = FamilyShape(), *,
                  mtp: bool = False, trunk: float = 1.0) -> Path:
-    """Write a tiny ``arch`` GGUF to ``path`` (atomically). ``mtp`` (``qwen35``): with its MTP
-    block, a bigram head (``_qwen35_mtp``); ``trunk``: the scale of what the layers add to
+    """Write a tiny ``arch`` GGUF to ``path`` (atomically). ``mtp`` (``MTP_ARCHS``): with its
+    MTP block, a bigram head (``_mtp``); ``trunk``: the scale of what the layers add to
     the residual stream (below 1, the model's next token is more often the bigram's)."""
     import gguf
 
-    if mtp and arch != "qwen35":
-        raise ValueError(f"an MTP block is written for qwen35 only, not {arch}")
+    if mtp and arch not in MTP_ARCHS:
+        raise ValueError(f"an MTP block is written for {', '.join(MTP_ARCHS)}, not {arch}")
     fam = FAMILIES[arch]
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -348,7 +359,7 @@ def write_family(path: str | os.PathLike[str], arch: str, shape: FamilyShape = F
     t.vec("output_norm.weight", shape.n_embd, 1.0)
     t.mat("output.weight", shape.n_embd, shape.n_vocab, scale=16.0 / np.sqrt(shape.n_embd))
     if mtp:  # its own numbers (the trunk's are those of the model without it); its layer adds half
-        _qwen35_mtp(w, _Tensors(w, np.random.default_rng(shape.seed + 1), 0.5), shape)
+        _mtp(arch, _Tensors(w, np.random.default_rng(shape.seed + 1), 0.5), shape)
     return finish(w, tmp, out)
 
 
