@@ -235,8 +235,10 @@ class OutputProcessor:
                 s.state = SlotState.GENERATING
             if self.tok.is_eog(tok):  # never with ignore_eos: the sampler bans these tokens then
                 prof.add("detok", time.perf_counter() - t0)
-                # the end-of-generation token is not text; what was held back is
-                return done(FinishReason.STOP, s.text.flush(), len(emitted) + 1)
+                # the end-of-generation token is not text; what was held back is. It is one of
+                # the tokens generated, as llama-server's return_tokens gives them
+                emitted.append(tok)
+                return done(FinishReason.STOP, s.text.flush(), len(emitted))
             piece = self.tok.piece(tok, special=tok in s.req.preserved)
             t1 = time.perf_counter()
             prof.add("detok", t1 - t0)

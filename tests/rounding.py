@@ -5,9 +5,52 @@ place of a top-k list, may flip. What must hold is the distribution, not the dra
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 ROUNDING = 0.02  # nats: how far two runs' log probabilities of one token may differ
+NEAR_TIE = 0.3  # logits (the tiny models' spread about 16): two greedy picks this close are a tie
+
+
+def cpu_llama(path: str, **kw: object) -> object:
+    """llama-cpp-python's ``Llama`` on this node's CPU alone, the oracle of greedy comparisons:
+    with no devices given, llama.cpp takes every registered one and asks each for its memory,
+    and an RPC device registered earlier in the process whose server is gone aborts it there."""
+    import llama_cpp
+    from llama_cpp import llama_cpp as lib
+
+    from engine.native.devices import resolve_devices
+
+    devices, default = resolve_devices(["CPU"]), lib.llama_model_default_params
+
+    def params() -> object:
+        p = default()
+        p.devices = ctypes.cast(devices, ctypes.c_void_p)
+        return p
+
+    lib.llama_model_default_params = params
+    try:
+        return llama_cpp.Llama(path, **kw)
+    finally:
+        lib.llama_model_default_params = default
+
+
+def logit_gap(llm: object, prompt: list[int], a: list[int], b: list[int]) -> float:
+    """0 where two greedy answers to ``prompt`` are equal, else how far the worse of the two
+    tokens where they part is from llama.cpp's own best there (one sequence, unsplit, ``llm``
+    made with ``logits_all``): under ``NEAR_TIE``, each is llama.cpp's pick up to rounding."""
+    import numpy as np
+
+    k = first_difference(a, b)
+    if k is None:
+        return 0.0
+    if k >= min(len(a), len(b)):  # one ended where the other went on: no token to weigh
+        return float("inf")
+    llm.reset()
+    llm.eval(prompt + a[:k])
+    row = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+    best = float(row.max())
+    return float(max(best - row[a[k]], best - row[b[k]]))
 
 
 def same_distribution(top1: dict, top2: dict, tol: float = ROUNDING) -> bool:

@@ -292,3 +292,12 @@ def test_the_sampler_order_leaves_out_what_it_does_not_name(make_engine):
         assert e.generate("once upon a time", p).text == greedy
     with pytest.raises(ValueError, match="unknown samplers"):
         SamplingParams(samplers=("top_q",))
+
+
+def test_the_end_of_generation_token_is_one_of_the_tokens_returned(make_engine):
+    """As llama-server's return_tokens: every sampled token, the end one too (it is no text)."""
+    e = make_engine()
+    eos = e.model.eos
+    out = e.generate("hello", SamplingParams(temperature=0, max_tokens=8, logit_bias={eos: 100.0}))
+    assert out.final.finish_reason == "stop"
+    assert out.tokens == [eos] and out.final.completion_tokens == 1 and out.text == ""

@@ -6,12 +6,9 @@ recurrent state, experts)."""
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import llama_cpp
-import numpy as np
 import pytest
 
 from engine import Engine, SamplingParams
@@ -19,11 +16,11 @@ from engine.text.harmony import is_harmony
 from engine.text.tools import detect_format
 from tests.conftest import engine_factory
 from tests.models.families import FAMILIES, write_family
+from tests.rounding import NEAR_TIE, cpu_llama, logit_gap
 
 pytestmark = pytest.mark.gpu
 
 ARCHS = sorted(FAMILIES)
-NEAR_TIE = 0.3  # logits (about 16 their spread), as the real model's tests judge it
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
@@ -73,28 +70,6 @@ def test_the_template_is_the_familys_and_its_markup_is_one_token_each(family, ma
     assert e.tokenizer.is_eog(e.tokenizer.encode(fam.eos, add_special=False)[0])
 
 
-def cpu_llama(path: str, **kw: object) -> llama_cpp.Llama:
-    """llama-cpp-python's ``Llama`` on this node's CPU alone: with no devices given, llama.cpp
-    takes every registered one, and asks each for its memory; an RPC device an earlier test
-    registered whose server is gone aborts the process there."""
-    from llama_cpp import llama_cpp as lib
-
-    from engine.native.devices import resolve_devices
-
-    devices, default = resolve_devices(["CPU"]), lib.llama_model_default_params
-
-    def params() -> object:
-        p = default()
-        p.devices = ctypes.cast(devices, ctypes.c_void_p)
-        return p
-
-    lib.llama_model_default_params = params
-    try:
-        return llama_cpp.Llama(path, **kw)
-    finally:
-        lib.llama_model_default_params = default
-
-
 @pytest.fixture(scope="module")
 def oracle(family: tuple[str, str]) -> Iterator[Callable[[list[int], list[int], list[int]], float]]:
     """``gap(prompt, a, b)``: 0 where the answers are equal, else the difference of llama.cpp's
@@ -102,15 +77,7 @@ def oracle(family: tuple[str, str]) -> Iterator[Callable[[list[int], list[int], 
     llm = cpu_llama(family[1], n_ctx=2048, n_threads=2, flash_attn=False, logits_all=True, verbose=False)
 
     def gap(prompt: list[int], a: list[int], b: list[int]) -> float:
-        if a == b:
-            return 0.0
-        k = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
-        llm.reset()
-        llm.eval(prompt + a[:k])
-        row = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float64)
-        best = float(row.max())
-        # both must be within a near tie of llama.cpp's best, so each is its pick up to rounding
-        return max(best - row[a[k]], best - row[b[k]])
+        return logit_gap(llm, prompt, a, b)
 
     yield gap
     llm.close()
