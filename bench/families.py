@@ -43,7 +43,7 @@ block, a bigram head right part of the time: ``tests/test_speculative_hybrid.py`
 (this service ``speculative: {type: mtp}``, llama-server ``--spec-type draft-mtp``), 4 tokens
 at most:
 
-- **greedy with MTP**: the greedy prompts, compared as text, and each side's drafted and
+- **greedy with MTP**: the greedy prompts, compared as tokens, and each side's drafted and
   accepted tokens (its metrics; llama-server's ``timings``), which must be equal: every row
   drafts at every step on both sides (``backoff: false``), and no prompt is reused, so the
   drafts are the same.
@@ -276,12 +276,13 @@ def cut_alike(a: dict, b: dict) -> bool:
                ((a["content"], b["content"]), (a["reasoning_content"], b["reasoning_content"])))
 
 
-def greedy(client: httpx.Client, base: str, prompt: list[int]) -> list[int]:
-    """The greedy answer's tokens to a prompt given as tokens (llama.cpp's ``/completion``)."""
+def greedy(client: httpx.Client, base: str, prompt: str | list[int], **more: object) -> dict:
+    """The greedy answer to a prompt (text or tokens), with its tokens: llama.cpp's ``/completion``
+    response (llama-server's carries its ``timings``)."""
     r = client.post(base + "/completion", json={"prompt": prompt, "temperature": 0, "n_predict": 24,
-                                                 "return_tokens": True})
+                                                 "return_tokens": True, **more})
     r.raise_for_status()
-    return r.json()["tokens"]
+    return r.json()
 
 
 def compare(arch: str, ours: str, theirs: str, llm: Any, eos: int | None = None) -> dict:
@@ -290,7 +291,7 @@ def compare(arch: str, ours: str, theirs: str, llm: Any, eos: int | None = None)
     with httpx.Client(timeout=120) as c:
         for p in GREEDY_PROMPTS:
             toks = llm.tokenize(p.encode(), add_bos=True, special=False)
-            a, b = greedy(c, ours, toks), greedy(c, theirs, toks)
+            a, b = greedy(c, ours, toks)["tokens"], greedy(c, theirs, toks)["tokens"]
             # where they part, both tokens within a near tie of llama.cpp's own best (one
             # sequence, unsplit): batch shapes round differently (tests/test_family_models.py)
             gap = logit_gap(llm, toks, a, b)
@@ -329,20 +330,16 @@ MTP_N_MAX = 4
 
 
 def compare_mtp(arch: str, ours: str, theirs: str, scrape: Any) -> dict:
-    """Greedy text with MTP drafting on both sides, and the drafted and accepted tokens of each."""
+    """Greedy answers with MTP drafting on both sides, and the drafted and accepted tokens of each."""
     out: dict = {"arch": arch, "greedy": [], "answers": []}
     ls = [0, 0]
     # no prompt reuse: the first row after a reused prefix has no hidden state of the position
     # before it at hand on either side (this service pairs it with zeros, llama-server with the
     # slot's last one), so the drafts there differ by design, not by the drafting
-    body = {"temperature": 0, "max_tokens": 24, "cache_prompt": False}
     with httpx.Client(timeout=120) as c:
         for p in GREEDY_PROMPTS:
-            a, r = (c.post(base + "/v1/completions", json={"prompt": p, **body}) for base in (ours, theirs))
-            a.raise_for_status()
-            r.raise_for_status()
-            a = a.json()["choices"][0]["text"]
-            b, t = r.json()["choices"][0]["text"], r.json().get("timings", {})
+            mine, other = (greedy(c, base, p, cache_prompt=False) for base in (ours, theirs))
+            a, b, t = mine["tokens"], other["tokens"], other.get("timings", {})
             ls = [ls[0] + t.get("draft_n", 0), ls[1] + t.get("draft_n_accepted", 0)]
             out["greedy"].append({"prompt": p, "equal": a == b, **({} if a == b else {"ours": a, "llama-server": b})})
     m = scrape()

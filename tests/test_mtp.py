@@ -7,6 +7,7 @@ rollback exercised). Greedy output is the same with MTP on and off, for 1, 2 and
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -16,7 +17,7 @@ from pydantic import ValidationError
 from engine import Engine, EngineConfig, SamplingParams
 from engine.config import SpeculativeConfig
 from engine.speculation.mtp import PairedKv, pairs
-from tests.conftest import RPC_PORT
+from tests.conftest import RPC_PORT, engine_factory
 from tests.link import CountingLink
 from tests.models.synthetic import ModelShape, write_mtp_model
 from tests.test_speculative import check_kv, run
@@ -300,26 +301,26 @@ def test_no_drafts_above_max_rows(make_mtp):
 # ---- the families' own MTP blocks ------------------------------------------------------------------
 
 
-def test_glm_s_mtp_block_drafts_on_the_split_with_two_groups_and_keeps_the_output(tmp_path, rpc_endpoint):
-    """GLM-4.5 / 4.6's MTP block (an MoE decoder layer, as its checkpoints carry it) on the tiny
-    ``glm4moe``: drafts accepted and rejected, greedy as without them, four rows at once over two
-    groups on the split. (Qwen3.5's, on a hybrid: tests/test_speculative_hybrid.py.)"""
-    from tests.conftest import engine_factory
+@pytest.fixture
+def make_glm(tmp_path) -> Iterator[Callable[..., Engine]]:
+    """Engines on the tiny ``glm4moe`` with its MTP block."""
     from tests.models.families import write_family
 
     path = str(write_family(tmp_path / "glm4moe-mtp.gguf", "glm4moe", mtp=True, trunk=0.3))
+    yield from engine_factory(model=path, n_parallel=4, n_ctx=4096, n_threads=1, repack=False)
+
+
+def test_glm_s_mtp_block_drafts_on_the_split_with_two_groups_and_keeps_the_output(make_glm, rpc_endpoint):
+    """GLM-4.5 / 4.6's MTP block (an MoE decoder layer, as its checkpoints carry it) on the tiny
+    ``glm4moe``: drafts accepted and rejected, greedy as without them, four rows at once over two
+    groups on the split. (Qwen3.5's, on a hybrid: tests/test_speculative_hybrid.py.)"""
     prompts = [f"the {w} of the pipeline node number {i} said" for i, w in enumerate(["king", "queen", "dog", "cat"])]
-    gen = engine_factory(model=path, n_parallel=4, n_ctx=4096, n_threads=1, repack=False)
-    make = next(gen)
-    try:
-        plain = make()
-        want = [run(plain, p, GREEDY)[0] for p in prompts]
-        spec = make(pipeline_groups=2, rpc_endpoints=[rpc_endpoint], peer_layers=2, speculative=MTP)
-        with ThreadPoolExecutor(4) as ex:
-            got = list(ex.map(lambda p: run(spec, p, GREEDY)[0], prompts))
-        assert got == want
-        check_mtp_kv(spec)
-        _, drafted, accepted = totals(spec)
-        assert 0 < accepted < drafted, (drafted, accepted)
-    finally:
-        next(gen, None)
+    plain = make_glm()
+    want = [run(plain, p, GREEDY)[0] for p in prompts]
+    spec = make_glm(pipeline_groups=2, rpc_endpoints=[rpc_endpoint], peer_layers=2, speculative=MTP)
+    with ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(lambda p: run(spec, p, GREEDY)[0], prompts))
+    assert got == want
+    check_mtp_kv(spec)
+    _, drafted, accepted = totals(spec)
+    assert 0 < accepted < drafted, (drafted, accepted)

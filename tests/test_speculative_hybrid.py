@@ -19,6 +19,8 @@ import pytest
 from engine import Engine, SamplingParams
 from tests.conftest import engine_factory
 from tests.models.families import write_family
+from tests.test_mtp import check_mtp_kv
+from tests.test_speculative import check_kv, spec_totals
 
 pytestmark = pytest.mark.gpu
 
@@ -51,18 +53,6 @@ def run(e: Engine, prompts: list[str], params: SamplingParams = GREEDY) -> list[
         return list(ex.map(lambda p: [t for o in e.stream(p, params) for t in o.tokens], prompts))
 
 
-def totals(e: Engine) -> tuple[int, int]:
-    return sum(p.drafted for p in e.profiles()), sum(p.accepted for p in e.profiles())
-
-
-def check_kv(e: Engine) -> None:
-    """Each slot's recorded tokens end where its sequence's state ends."""
-    for g in e.groups:
-        for s in g.slots:
-            if s.cache_tokens:
-                assert g.ctx.seq_pos_max(s.seq_id) == len(s.cache_tokens) - 1, (g.index, s.id)
-
-
 @pytest.mark.parametrize("kind", ["mtp", "draft"])
 def test_greedy_output_is_the_models_with_drafts_taken_back_from_a_recurrent_state(make, models, kind):
     want = run(make(), PROMPTS)
@@ -70,7 +60,7 @@ def test_greedy_output_is_the_models_with_drafts_taken_back_from_a_recurrent_sta
     got = run(spec, PROMPTS)
     assert got == want
     check_kv(spec)
-    drafted, accepted = totals(spec)
+    drafted, accepted = spec_totals(spec)
     # drafts were accepted (the bigram is right part of the time) and rejected: the state went
     # back from the middle of a row, and the answers are still the model's
     assert 0 < accepted < drafted, (drafted, accepted)
@@ -81,13 +71,9 @@ def test_mtp_on_the_split_with_two_groups_gives_the_models_tokens(make, models, 
     want = run(make(), PROMPTS)
     split = make(pipeline_groups=2, rpc_endpoints=[rpc_endpoint], peer_layers=2, speculative=spec_of("mtp", models))
     assert run(split, PROMPTS) == want  # the recurrent layers and their snapshots on the peer
-    drafted, accepted = totals(split)
+    drafted, accepted = spec_totals(split)
     assert 0 < accepted < drafted
-    check_kv(split)
-    for g in split.groups:
-        for s in g.slots:
-            if s.cache_tokens:
-                assert g.runner.mtp.ctx.seq_pos_max(s.seq_id) == g.ctx.seq_pos_max(s.seq_id)
+    check_mtp_kv(split)
 
 
 def ended_on_a_rejection(e: Engine, prompt: str) -> list[int]:
@@ -141,7 +127,7 @@ def test_a_recurrent_draft_model_follows_the_history_without_evaluating_it_again
     got = e.generate(prompt, GREEDY)
     assert got.tokens == want.tokens
     drafter = e.groups[0].runner.drafter
-    drafted, accepted = totals(e)
+    drafted, accepted = spec_totals(e)
     assert 0 < accepted < drafted
     # the prompt once, each generated token once, the drafts: not the history at every step
     assert drafter.n_fed <= got.final.prompt_tokens + got.final.completion_tokens + drafted, drafter.n_fed
@@ -165,7 +151,7 @@ def test_without_backoff_every_row_drafts_at_every_step_as_llama_server(make, mo
     for backoff in (True, False):
         e = make(speculative={**spec_of("mtp", models), "backoff": backoff})
         assert run(e, PROMPTS) == want
-        drafted, accepted = totals(e)
+        drafted, accepted = spec_totals(e)
         steps[backoff] = (sum(p.drafts for p in e.profiles()), drafted, accepted)
     # a row backs off after drafts all rejected; without, it drafts again the next step: more
     # drafts, more accepted (make families: the same counts as llama-server's draft-mtp)

@@ -115,7 +115,8 @@ class PrefixCache:
         self.pending: dict[int, int] = {}
         # recurrent sequences whose rejected drafts were taken back and whose next decode has
         # not run: llama.cpp restores their state from its snapshot in that decode, so until
-        # then a copy of their cells would carry the state with the rejected tokens in it
+        # then a copy of their cells would carry the state with the rejected tokens in it (one
+        # left here after its state is gone costs a refused copy, never a wrong one)
         self.rolled_back: set[int] = set()
 
     # ---- what a prompt may reuse (no writes) ------------------------------------------------
@@ -184,10 +185,7 @@ class PrefixCache:
 
     def keep(self, slot: Slot, n: int) -> int:
         """Keep the first ``n`` tokens of the slot's own KV; returns how many it kept."""
-        kept = keep_prefix(self.ctx, self.n_swa, slot.seq_id, slot.cache_tokens, n, slot.cache_shifts)
-        if not kept:
-            self.rolled_back.discard(slot.seq_id)  # all forgotten
-        return kept
+        return keep_prefix(self.ctx, self.n_swa, slot.seq_id, slot.cache_tokens, n, slot.cache_shifts)
 
     def reuse_from(self, src: Slot, dst: Slot, n: int) -> bool:
         """``copy`` for a new prompt: counts what it reused (from another slot, or from the
@@ -246,7 +244,6 @@ class PrefixCache:
         self.ctx.seq_rm(dst.seq_id, 0, -1)
         dst.cache_tokens.clear()
         dst.cache_shifts.clear()
-        self.rolled_back.discard(dst.seq_id)
         if n <= 0 or src.seq_id in self.rolled_back or not window_holds(self.ctx, self.n_swa, src.seq_id, n, src.cache_shifts):
             return False
         end = positions.position(src.cache_shifts, n)
@@ -300,7 +297,6 @@ class PrefixCache:
         """Forget the slot's KV; returns how many tokens it held."""
         n = len(slot.cache_tokens)
         self.ctx.seq_rm(slot.seq_id, 0, -1)
-        self.rolled_back.discard(slot.seq_id)
         slot.cache_tokens.clear()
         slot.cache_shifts.clear()
         return n
@@ -310,7 +306,6 @@ class PrefixCache:
         (of no salt), at the positions ``shifts`` says."""
         slot.cache_tokens[:] = tokens
         slot.cache_shifts[:] = shifts
-        self.rolled_back.discard(slot.seq_id)
         slot.cache_salt = ""
 
 

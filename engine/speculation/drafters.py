@@ -96,12 +96,10 @@ class ModelDrafter:
         self.n_vocab = model.n_vocab
         self.n_seq = n_seq
         self.scratch = bool(model.recurrent)
-        if self.scratch:  # one stream (a copy is metadata), room for every row's drafts beside
-            self.ctx = Context(model, n_ctx=n_ctx + n_seq * (cfg.n_max + 1), n_seq_max=2 * n_seq, n_batch=n_batch,
-                               n_ubatch=n_batch, n_threads=n_threads, flash_attn=flash_attn, kv_unified=True)
-        else:
-            self.ctx = Context(model, n_ctx=n_ctx, n_seq_max=n_seq, n_batch=n_batch, n_ubatch=n_batch,
-                               n_threads=n_threads, flash_attn=flash_attn)
+        # scratch sequences: one stream (a copy is metadata), room for every row's drafts beside
+        n_more = n_seq * (cfg.n_max + 1) if self.scratch else 0
+        self.ctx = Context(model, n_ctx=n_ctx + n_more, n_seq_max=n_seq * (1 + self.scratch), n_batch=n_batch,
+                           n_ubatch=n_batch, n_threads=n_threads, flash_attn=flash_attn, kv_unified=self.scratch)
         self.batch = Batch(n_batch)
         self.tokens: list[list[int]] = [[] for _ in range(n_seq)]  # per sequence: tokens in the KV
         self.n_fed = 0  # tokens decoded, drafts included (what the drafter costs)
